@@ -1,0 +1,43 @@
+# The two commands of the README:
+#   make demo   set everything up (venv, deps, extension) and run the serving-loop demo
+#   make test   set everything up and run the whole test suite
+# Everything else here is a step of those two.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BUILD  ?= build/dev
+JOBS   ?= 2
+
+.PHONY: demo test build venv bench bench-quick clean
+
+venv: $(VENV)/.deps-stamp
+$(VENV)/.deps-stamp: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "jax>=0.5.3,<0.11" "jaxlib>=0.5.3,<0.11" "numpy>=1.26" \
+	    "nanobind>=2.4" "scikit-build-core>=0.10" "pytest>=8" ninja cmake
+	@touch $@
+
+# In-tree build: the extension lands in gdn_jax/ so `import gdn_jax` works from the
+# checkout (tests, examples, benchmarks). `pip install .` builds the same thing as a wheel.
+build: venv
+	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	    -DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
+	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS)
+	cp $(BUILD)/_gdn_ffi*.so gdn_jax/
+
+demo: build
+	PYTHONPATH=. $(PY) examples/serving_loop.py
+
+test: build
+	PYTHONPATH=. $(PY) -m pytest -q tests
+
+bench: build
+	PYTHONPATH=. $(PY) benchmarks/run.py
+
+bench-quick: build
+	PYTHONPATH=. $(PY) benchmarks/run.py --quick
+
+clean:
+	rm -rf build gdn_jax/_gdn_ffi*.so

@@ -1,0 +1,121 @@
+// Plain data shared by the handlers and every ISA back end: element types, the argument
+// block of each kernel, the parallel-for the kernels run on, and the dispatch table.
+// No XLA, nanobind or ISA headers here: this is what the cross-compiled core sees.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+namespace gdn {
+
+// bf16 as stored (upper half of an IEEE f32). A distinct type so that overloads on
+// `const bf16*` and `const float*` pick the right conversion.
+struct bf16 {
+  uint16_t bits;
+};
+
+enum class DType : int32_t { f32 = 0, bf16 = 1 };
+
+// Parallel-for handed to every kernel. run(n, grain, body) calls body(ctx, begin, end) on
+// disjoint ranges covering [0, n); ranges are at least `grain` long (except the last).
+// Each work item must write disjoint memory and compute the same bits whichever thread
+// runs it, so results never depend on the thread count.
+struct Parallel {
+  using Body = void (*)(void* body_ctx, int64_t begin, int64_t end);
+  void* ctx = nullptr;
+  void (*run_fn)(void* ctx, int64_t n, int64_t grain, Body body, void* body_ctx) = nullptr;
+  int num_threads = 1;
+
+  template <class F>
+  void operator()(int64_t n, int64_t grain, F&& f) const {
+    using Fn = typename std::remove_reference<F>::type;
+    Body body = [](void* c, int64_t b, int64_t e) { (*static_cast<Fn*>(c))(b, e); };
+    if (run_fn == nullptr || num_threads <= 1 || n <= grain) {
+      if (n > 0) body(&f, 0, n);
+      return;
+    }
+    run_fn(ctx, n, grain, body, &f);
+  }
+};
+
+// Every pointer below is valid for the shape it names; index arrays have been validated
+// (validate.h) before a kernel is called, so kernels trust them. A slot index of -1
+// (PAD_SLOT_ID) marks a padding row: nothing read or written, output rows zero.
+
+struct GatingArgs {
+  DType act;               // dtype of a, b
+  const void* a;           // [T, HV]
+  const void* b;           // [T, HV]
+  const float* A_log;      // [HV]
+  const float* dt_bias;    // [HV]
+  float* g;                // [T, HV]  g = -exp(A_log) * softplus(a + dt_bias)
+  float* beta;             // [T, HV]  beta = sigmoid(b)
+  int64_t T, HV;
+};
+
+// Causal depthwise conv. The pool is addressed through strides (in elements) so that the
+// SD [N, L, D] and DS [N, D, L] layouts share one code path.
+struct ConvArgs {
+  DType act;                       // dtype of x, y and conv_state
+  const void* x;                   // [T, D] token-major
+  void* y;                         // [T, D]
+  const float* weight;             // [D, W] (tap W-1 multiplies the current token)
+  const float* bias;               // [D] or nullptr
+  int64_t T, D, W;
+  bool silu;
+  void* conv_state;                // pool, N slots of L time rows
+  int64_t N, L;
+  int64_t slot_stride, time_stride, chan_stride;
+  const int32_t* query_start_loc;  // [S + 1]
+  const int32_t* state_indices;    // [S]
+  const bool* has_initial_state;   // [S]   (conv_fwd only)
+  const int32_t* num_accepted;     // [S]   (conv_update only; window starts at row acc-1)
+  int64_t S;
+};
+
+// Token recurrence with fused gating: plain decode (one token per row, one index column,
+// num_accepted = 1) and spec verify (row i reads slot idx[i, acc-1], writes the state after
+// its token t to idx[i, t]).
+struct RecurrentArgs {
+  DType act;                       // dtype of q, k, v, a, b, o
+  DType state;                     // dtype of ssm_state
+  const void *q, *k;               // [T, H, K]
+  const void* v;                   // [T, HV, V]
+  const void *a, *b;               // [T, HV]
+  const float *A_log, *dt_bias;    // [HV]
+  void* ssm_state;                 // [N, HV, K, V], k-major per head
+  void* o;                         // [T, HV, V]
+  const int32_t* query_start_loc;  // [S + 1]
+  const int32_t* state_indices;    // [S, index_cols]
+  const int32_t* num_accepted;     // [S]
+  int64_t index_cols;
+  int64_t T, S, N, H, HV, K, V;
+  float scale, eps;
+  bool l2norm;
+};
+
+// Chunked (WY, chunk 64) varlen prefill.
+struct ChunkArgs {
+  DType act, state;
+  const void *q, *k;               // [T, H, K]
+  const void* v;                   // [T, HV, V]
+  const float *g, *beta;           // [T, HV] (g in log space, beta post-sigmoid)
+  void* ssm_state;                 // [N, HV, K, V]
+  void* o;                         // [T, HV, V]
+  const int32_t* query_start_loc;  // [S + 1]
+  const int32_t* state_indices;    // [S]
+  const bool* has_initial_state;   // [S]
+  int64_t T, S, N, H, HV, K, V;
+  float scale, eps;
+  bool l2norm;
+};
+
+struct KernelTable {
+  const char* isa = nullptr;
+  void (*gating)(const GatingArgs&, const Parallel&) = nullptr;
+  void (*conv_fwd)(const ConvArgs&, const Parallel&) = nullptr;
+  void (*conv_update)(const ConvArgs&, const Parallel&) = nullptr;
+  void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
+  void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
+};
+
+}  // namespace gdn

@@ -1,0 +1,164 @@
+// CPU feature detection and the choice of kernel table. Each ISA is selected only when the
+// CPU has every feature its translation unit was compiled for (vLLM gated an AVX512-BF16
+// kernel on "has AMX"; we never gate coarser than the flags we compile with).
+#include "gdn/dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#define GDN_X86 1
+#elif defined(__aarch64__)
+#include <sys/auxv.h>
+#define GDN_ARM 1
+#endif
+
+namespace gdn {
+namespace generic { void fill_table(KernelTable&); }
+#if GDN_X86
+namespace avx512 { void fill_table(KernelTable&); }
+namespace avx512bf16 { void fill_table(KernelTable&); }
+#endif
+
+namespace {
+
+struct Features {
+  bool avx512 = false;      // F, DQ, BW, VL + FMA, AVX2, F16C, with OS zmm state
+  bool avx512bf16 = false;  // the above + AVX512_BF16
+  bool amx_tile = false, amx_bf16 = false;
+  bool neon = false, neon_bf16 = false;
+  std::string names;
+};
+
+#if GDN_X86
+uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t(edx) << 32) | eax;
+}
+#endif
+
+Features detect() {
+  Features f;
+#if GDN_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), f16c = c & (1u << 29);
+  if (!osxsave) return f;
+  const uint64_t xcr0 = xgetbv0();
+  const bool os_avx = (xcr0 & 0x6) == 0x6;
+  const bool os_zmm = os_avx && (xcr0 & 0xe0) == 0xe0;
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = b & (1u << 5), a512f = b & (1u << 16), dq = b & (1u << 17),
+             bw = b & (1u << 30), vl = b & (1u << 31);
+  const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
+  unsigned a1, b1, c1, d1;
+  __cpuid_count(7, 1, a1, b1, c1, d1);
+  const bool bf16 = a1 & (1u << 5);
+  f.avx512 = os_zmm && fma && f16c && avx2 && a512f && dq && bw && vl;
+  f.avx512bf16 = f.avx512 && bf16;
+  f.amx_tile = amx_tile;
+  f.amx_bf16 = amx_bf16;
+  auto add = [&](bool on, const char* n) { if (on) { if (!f.names.empty()) f.names += ' '; f.names += n; } };
+  add(fma, "fma"); add(avx2, "avx2"); add(os_zmm && a512f, "avx512f"); add(os_zmm && dq, "avx512dq");
+  add(os_zmm && bw, "avx512bw"); add(os_zmm && vl, "avx512vl"); add(os_zmm && bf16, "avx512bf16");
+  add(amx_tile, "amx_tile"); add(amx_bf16, "amx_bf16");
+#elif GDN_ARM
+  const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
+  f.neon = hwcap & (1ul << 1);               // HWCAP_ASIMD
+  f.neon_bf16 = f.neon && (hwcap2 & (1ul << 14));  // HWCAP2_BF16
+  f.names = f.neon ? (f.neon_bf16 ? "asimd bf16" : "asimd") : "";
+#endif
+  return f;
+}
+
+const Features& features() {
+  static const Features f = detect();
+  return f;
+}
+
+struct Entry {
+  const char* name;
+  void (*fill)(KernelTable&);
+  bool (*available)();
+};
+
+const Entry kEntries[] = {
+#if GDN_X86
+    {"avx512bf16", avx512bf16::fill_table, [] { return features().avx512bf16; }},
+    {"avx512", avx512::fill_table, [] { return features().avx512; }},
+#endif
+    {"generic", generic::fill_table, [] { return true; }},
+};
+
+const char* const kKnown[] = {"amx", "avx512bf16", "avx512", "neon_bf16", "neon", "generic"};
+
+KernelTable g_tables[sizeof(kEntries) / sizeof(kEntries[0])];
+std::atomic<const KernelTable*> g_current{nullptr};
+std::once_flag g_init;
+
+void init_tables() {
+  for (size_t i = 0; i < sizeof(kEntries) / sizeof(kEntries[0]); ++i) {
+    kEntries[i].fill(g_tables[i]);
+    g_tables[i].isa = kEntries[i].name;
+  }
+  const char* forced = std::getenv("GDN_JAX_ISA");
+  if (forced != nullptr && *forced != '\0') {
+    // The Python side checks GDN_JAX_ISA first and raises a clear error; here we only
+    // honour a valid request (a bad one falls through to the best ISA).
+    for (size_t i = 0; i < sizeof(kEntries) / sizeof(kEntries[0]); ++i)
+      if (std::string(forced) == kEntries[i].name && kEntries[i].available()) {
+        g_current.store(&g_tables[i]);
+        return;
+      }
+  }
+  for (size_t i = 0; i < sizeof(kEntries) / sizeof(kEntries[0]); ++i)
+    if (kEntries[i].available()) {
+      g_current.store(&g_tables[i]);
+      return;
+    }
+}
+
+}  // namespace
+
+std::vector<std::string> available_isas() {
+  std::call_once(g_init, init_tables);
+  std::vector<std::string> out;
+  for (const Entry& e : kEntries)
+    if (e.available()) out.emplace_back(e.name);
+  return out;
+}
+
+const KernelTable& current_table() {
+  std::call_once(g_init, init_tables);
+  return *g_current.load(std::memory_order_acquire);
+}
+
+std::string selected_isa() { return current_table().isa; }
+
+bool select_isa(const std::string& name, std::string* why) {
+  std::call_once(g_init, init_tables);
+  for (size_t i = 0; i < sizeof(kEntries) / sizeof(kEntries[0]); ++i) {
+    if (name != kEntries[i].name) continue;
+    if (!kEntries[i].available()) {
+      if (why) *why = "ISA '" + name + "' is compiled in but this CPU lacks a feature it needs (CPU has: " +
+                      features().names + ")";
+      return false;
+    }
+    g_current.store(&g_tables[i], std::memory_order_release);
+    return true;
+  }
+  bool known = false;
+  for (const char* k : kKnown) known |= name == k;
+  if (why)
+    *why = known ? "ISA '" + name + "' is not built for this architecture or not implemented in this build"
+                 : "unknown ISA '" + name + "'; known: amx, avx512bf16, avx512, neon_bf16, neon, generic";
+  return false;
+}
+
+std::string cpu_features() { return features().names; }
+
+}  // namespace gdn

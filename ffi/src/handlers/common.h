@@ -1,0 +1,74 @@
+// Helpers shared by the XLA FFI handlers: dtype mapping, shape checks, status output.
+// Handlers hold no math: they check, validate the batch, and call the dispatch table.
+#pragma once
+#include <cstring>
+#include <string>
+
+#include "gdn/dispatch.h"
+#include "gdn/types.h"
+#include "parallel.h"
+#include "validate.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace gdn {
+namespace ffi = xla::ffi;
+
+inline bool to_dtype(ffi::DataType t, DType* out) {
+  if (t == ffi::DataType::F32) { *out = DType::f32; return true; }
+  if (t == ffi::DataType::BF16) { *out = DType::bf16; return true; }
+  return false;
+}
+
+inline ffi::Error bad(const std::string& op, const std::string& what) {
+  return ffi::Error::InvalidArgument("gdn_jax." + op + ": " + what);
+}
+
+inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// status: int32[4] = (code, row, value, aux); see validate.h.
+inline void write_status(ffi::Result<ffi::Buffer<ffi::S32>>& out, const Status& s) {
+  int32_t* p = out->typed_data();
+  p[0] = s.code;
+  p[1] = s.row;
+  p[2] = s.value;
+  p[3] = s.aux;
+}
+
+inline void zero_fill(ffi::Result<ffi::AnyBuffer>& out) {
+  std::memset(out->untyped_data(), 0, out->size_bytes());
+}
+
+}  // namespace gdn
+
+namespace gdn {
+
+// q, k [T, H, K], v [T, HV, V], ssm_state [N, HV, K, V]; fills the shape fields of either
+// RecurrentArgs or ChunkArgs.
+template <class Args>
+ffi::Error qkv_state_shapes(const char* op, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                            ffi::AnyBuffer& ssm_state, Args& p) {
+  if (!to_dtype(q.element_type(), &p.act) || k.element_type() != q.element_type() ||
+      v.element_type() != q.element_type())
+    return bad(op, "q, k, v must share one dtype, float32 or bfloat16");
+  if (!to_dtype(ssm_state.element_type(), &p.state)) return bad(op, "ssm_state must be float32 or bfloat16");
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), sd = ssm_state.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || qd[1] != kd[1] ||
+      qd[2] != kd[2] || vd[0] != qd[0])
+    return bad(op, "q, k must be [T, H, K] and v [T, HV, V]; got q " + dims_str(qd) + ", k " + dims_str(kd) +
+                       ", v " + dims_str(vd));
+  p.T = qd[0]; p.H = qd[1]; p.K = qd[2]; p.HV = vd[1]; p.V = vd[2];
+  if (p.H <= 0 || p.HV % p.H != 0) return bad(op, "HV must be a multiple of H");
+  if (sd.size() != 4 || sd[1] != p.HV || sd[2] != p.K || sd[3] != p.V)
+    return bad(op, "ssm_state must be [N, HV, K, V] = [N, " + std::to_string(p.HV) + ", " + std::to_string(p.K) +
+                       ", " + std::to_string(p.V) + "], got " + dims_str(sd));
+  p.N = sd[0];
+  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
+  p.ssm_state = ssm_state.untyped_data();
+  return ffi::Error::Success();
+}
+
+}  // namespace gdn

@@ -1,0 +1,41 @@
+// gdn_jax_gating: (a, b [T, HV], A_log, dt_bias [HV] f32) -> (g, beta [T, HV] f32).
+// Leading dims of a/b are flattened, so vmap "broadcast_all" works.
+#include "handlers/common.h"
+
+namespace gdn {
+
+static ffi::Error GatingImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                             ffi::Buffer<ffi::F32> A_log, ffi::Buffer<ffi::F32> dt_bias,
+                             ffi::ResultBuffer<ffi::F32> g, ffi::ResultBuffer<ffi::F32> beta) {
+  GatingArgs p;
+  if (!to_dtype(a.element_type(), &p.act) || b.element_type() != a.element_type())
+    return bad("fused_gdn_gating", "a and b must both be float32 or bfloat16");
+  const auto d = a.dimensions();
+  if (d.size() < 1) return bad("fused_gdn_gating", "a must have rank >= 1");
+  p.HV = d.back();
+  p.T = p.HV ? int64_t(a.element_count()) / p.HV : 0;
+  if (b.element_count() != a.element_count() || A_log.element_count() != size_t(p.HV) ||
+      dt_bias.element_count() != size_t(p.HV))
+    return bad("fused_gdn_gating", "shape mismatch: a " + dims_str(d) + ", b " + dims_str(b.dimensions()));
+  p.a = a.untyped_data();
+  p.b = b.untyped_data();
+  p.A_log = A_log.typed_data();
+  p.dt_bias = dt_bias.typed_data();
+  p.g = g->typed_data();
+  p.beta = beta->typed_data();
+  const Parallel par = make_parallel(&pool);
+  current_table().gating(p, par);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnGating, GatingImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // a
+                                  .Arg<ffi::AnyBuffer>()          // b
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // A_log
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // g
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // beta
+
+}  // namespace gdn

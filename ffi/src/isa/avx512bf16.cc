@@ -1,0 +1,6 @@
+// AVX-512 + AVX512-BF16 back end: hardware bf16 conversion (VCVTNEPS2BF16) and bf16 dot
+// products (VDPBF16PS). Selected only when the CPU has AVX512_BF16 besides the AVX-512 set.
+#include <immintrin.h>
+#define GDN_ISA_NS avx512bf16
+#define GDN_VEC_HEADER "kernels/vec_avx512.h"
+#include "kernels/all_kernels.inc"

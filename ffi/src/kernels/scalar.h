@@ -1,0 +1,25 @@
+// Scalar helpers shared by every back end. Included inside the ISA namespace (see
+// isa/*.cc): no include guard, no system headers here.
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) {
+  uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Round to nearest even; NaN stays NaN (quiet).
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{uint16_t(u >> 16)};
+}
+inline void store1(float* p, float x) { *p = x; }
+inline void store1(bf16* p, float x) { *p = to_bf16(x); }
+
+// softplus with the threshold used by FLA and vLLM: x for x > 20, else log1p(exp(x)).
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }

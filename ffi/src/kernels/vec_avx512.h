@@ -1,0 +1,71 @@
+// AVX-512F 16-lane f32 vector (with AVX512-BF16 conversions when the translation unit is
+// compiled for it). Included inside the ISA namespace; no include guard.
+
+constexpr int kLanes = 16;
+
+struct VF {
+  __m512 v;
+};
+
+inline __mmask16 lane_mask(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+
+inline VF vzero() { return {_mm512_setzero_ps()}; }
+inline VF vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline VF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline VF bf16_bits_to_vf(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
+inline VF vload(const bf16* p) { return bf16_bits_to_vf(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF vload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(lane_mask(n), p)}; }
+inline VF vload_n(const bf16* p, int n) { return bf16_bits_to_vf(_mm256_maskz_loadu_epi16(lane_mask(n), p)); }
+
+inline __m256i vf_to_bf16_bits(VF x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x.v);
+#else
+  // Round to nearest even in integer arithmetic; NaN -> quiet NaN.
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
+inline void vstore(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vf_to_bf16_bits(x)); }
+inline void vstore_n(float* p, VF x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x.v); }
+inline void vstore_n(bf16* p, VF x, int n) { _mm256_mask_storeu_epi16(p, lane_mask(n), vf_to_bf16_bits(x)); }
+
+inline VF operator+(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VF operator-(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VF operator*(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VF operator/(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VF vfma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
+
+// exp with ~1 ulp error over the f32 range: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+// degree-6 minimax polynomial; underflows to 0 below -104, overflows to inf above 88.7.
+inline VF vexp(VF a) {
+  const __m512 x = _mm512_max_ps(_mm512_min_ps(a.v, _mm512_set1_ps(88.7228391f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return {_mm512_scalef_ps(p, n)};
+}
+
+inline float vsum(VF a) {
+  // Same pairwise order as the generic back end: halves, then quarters, ...
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}

@@ -1,0 +1,48 @@
+// Portable 16-lane f32 vector: plain loops that any C++17 compiler vectorises for its
+// baseline target. Included inside the ISA namespace; no include guard.
+
+constexpr int kLanes = 16;
+
+struct VF {
+  float v[kLanes];
+};
+
+inline VF vzero() { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = 0.f; return r; }
+inline VF vset1(float x) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = x; return r; }
+inline VF vload(const float* p) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = p[i]; return r; }
+inline VF vload(const bf16* p) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = to_f32(p[i]); return r; }
+template <class T>
+inline VF vload_n(const T* p, int n) {
+  VF r = vzero();
+  for (int i = 0; i < n; ++i) r.v[i] = to_f32(p[i]);
+  return r;
+}
+inline void vstore(float* p, VF x) { for (int i = 0; i < kLanes; ++i) p[i] = x.v[i]; }
+inline void vstore(bf16* p, VF x) { for (int i = 0; i < kLanes; ++i) p[i] = to_bf16(x.v[i]); }
+template <class T>
+inline void vstore_n(T* p, VF x, int n) { for (int i = 0; i < n; ++i) store1(p + i, x.v[i]); }
+
+#define GDN_VF_BINOP(op)                                                  \
+  inline VF operator op(VF a, VF b) {                                     \
+    VF r;                                                                 \
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] op b.v[i];           \
+    return r;                                                             \
+  }
+GDN_VF_BINOP(+)
+GDN_VF_BINOP(-)
+GDN_VF_BINOP(*)
+GDN_VF_BINOP(/)
+#undef GDN_VF_BINOP
+
+// a * b + c
+inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+inline VF vmax(VF a, VF b) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+inline VF vexp(VF a) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(a.v[i]); return r; }
+// Sum of lanes in a fixed pairwise order (the same on every back end).
+inline float vsum(VF a) {
+  float t[kLanes];
+  for (int i = 0; i < kLanes; ++i) t[i] = a.v[i];
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}

@@ -1,0 +1,49 @@
+// The nanobind module: the table of FFI targets (registered from Python at import under
+// "gdn_jax_<name>") and the ISA controls.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "gdn/dispatch.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace gdn {
+extern "C" {
+XLA_FFI_Error* GdnGating(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnConvFwd(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnConvUpdate(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnRecurrent(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnChunk(XLA_FFI_CallFrame*);
+}
+}  // namespace gdn
+
+namespace {
+template <class Fn>
+nb::capsule capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_gdn_ffi, m) {
+  m.def("registrations", [] {
+    nb::dict d;
+    d["gating"] = capsule(gdn::GdnGating);
+    d["conv_fwd"] = capsule(gdn::GdnConvFwd);
+    d["conv_update"] = capsule(gdn::GdnConvUpdate);
+    d["recurrent"] = capsule(gdn::GdnRecurrent);
+    d["chunk"] = capsule(gdn::GdnChunk);
+    return d;
+  });
+  m.def("available_isas", &gdn::available_isas, "ISAs compiled in and supported by this CPU, best first.");
+  m.def("selected_isa", &gdn::selected_isa, "The ISA whose kernels the FFI targets run now.");
+  m.def("cpu_features", &gdn::cpu_features);
+  m.def(
+      "select_isa",
+      [](const std::string& name) {
+        std::string why;
+        if (!gdn::select_isa(name, &why)) throw nb::value_error(why.c_str());
+      },
+      "Force the kernels of one available ISA (raises ValueError otherwise).");
+}

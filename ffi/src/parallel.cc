@@ -1,0 +1,73 @@
+// Caller-helps parallel-for: the work is cut into ranges behind an atomic counter; one
+// helper task per pool thread is scheduled and the caller drains ranges too, then waits
+// only for ranges already claimed. A helper that starts late finds nothing to do, so the
+// caller never waits on a task that has not started (safe when the handler itself runs on
+// a pool thread, or the pool has one thread).
+#include "parallel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
+namespace gdn {
+namespace {
+
+struct Job {
+  Parallel::Body body;
+  void* body_ctx;
+  int64_t n, step, num_ranges;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  // Runs ranges until none is left. Touches body/body_ctx only for claimed ranges, which
+  // the caller waits for, so a late helper never uses a dead frame.
+  void drain() {
+    for (;;) {
+      const int64_t r = next.fetch_add(1, std::memory_order_relaxed);
+      if (r >= num_ranges) return;
+      const int64_t b = r * step, e = std::min(n, b + step);
+      body(body_ctx, b, e);
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == num_ranges) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
+  auto* pool = static_cast<xla::ffi::ThreadPool*>(ctx);
+  const int64_t threads = std::max<int64_t>(1, pool->num_threads());
+  grain = std::max<int64_t>(1, grain);
+  // A few ranges per thread for balance, none shorter than the grain.
+  const int64_t max_ranges = std::max<int64_t>(1, (n + grain - 1) / grain);
+  const int64_t num_ranges = std::min<int64_t>(max_ranges, threads * 4);
+  auto job = std::make_shared<Job>();
+  job->body = body;
+  job->body_ctx = body_ctx;
+  job->n = n;
+  job->step = (n + num_ranges - 1) / num_ranges;
+  job->num_ranges = (n + job->step - 1) / job->step;
+  const int64_t helpers = std::min<int64_t>(threads, job->num_ranges - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([job] { job->drain(); });
+  job->drain();
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) == job->num_ranges; });
+}
+
+}  // namespace
+
+Parallel make_parallel(xla::ffi::ThreadPool* pool) {
+  Parallel p;
+  p.ctx = pool;
+  p.run_fn = run;
+  p.num_threads = pool ? int(std::max<int64_t>(1, pool->num_threads())) : 1;
+  if (!pool) p.run_fn = nullptr;
+  return p;
+}
+
+}  // namespace gdn

@@ -1,0 +1,71 @@
+#include "validate.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace gdn {
+namespace {
+
+Status fail(int32_t code, int64_t row, int64_t value, int64_t aux = 0) {
+  Status s;
+  s.code = code;
+  s.row = int32_t(row);
+  s.value = int32_t(value);
+  s.aux = int32_t(aux);
+  return s;
+}
+
+// Sorting (slot, row) pairs costs O(S log S), independent of the pool size N.
+Status check_distinct(std::vector<std::pair<int32_t, int32_t>>& used) {
+  std::sort(used.begin(), used.end());
+  for (size_t i = 1; i < used.size(); ++i)
+    if (used[i].first == used[i - 1].first && used[i].second != used[i - 1].second)
+      return fail(kSlotTwice, used[i].second, used[i].first, used[i - 1].second);
+  return Status{};
+}
+
+}  // namespace
+
+Status check_query_start_loc(const int32_t* qsl, int64_t S, int64_t T) {
+  if (qsl[0] != 0) return fail(kQslStart, 0, qsl[0]);
+  for (int64_t s = 0; s < S; ++s)
+    if (qsl[s + 1] < qsl[s]) return fail(kQslDecreasing, s, qsl[s + 1], qsl[s]);
+  if (qsl[S] > T) return fail(kQslPastEnd, S, qsl[S], T);
+  return Status{};
+}
+
+Status check_slots(const int32_t* idx, int64_t S, int64_t N) {
+  std::vector<std::pair<int32_t, int32_t>> used;
+  used.reserve(size_t(S));
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t slot = idx[s];
+    if (slot == -1) continue;
+    if (slot < 0 || slot >= N) return fail(kSlotRange, s, slot, 0);
+    used.emplace_back(slot, int32_t(s));
+  }
+  return check_distinct(used);
+}
+
+Status check_spec_rows(const int32_t* qsl, const int32_t* idx, int64_t index_cols,
+                       const int32_t* num_accepted, int64_t S, int64_t N, int64_t max_tokens,
+                       int64_t max_accepted) {
+  std::vector<std::pair<int32_t, int32_t>> used;
+  used.reserve(size_t(S * index_cols));
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t* row = idx + s * index_cols;
+    if (row[0] == -1) continue;  // padding row
+    const int64_t q = int64_t(qsl[s + 1]) - qsl[s];
+    const int32_t acc = num_accepted[s];
+    if (acc < 1 || acc > max_accepted) return fail(kAcceptedRange, s, acc, max_accepted);
+    if (q > max_tokens) return fail(kRowTooLong, s, q, max_tokens);
+    const int64_t cols = index_cols == 1 ? 1 : std::max<int64_t>(q, acc);
+    for (int64_t c = 0; c < cols; ++c) {
+      if (row[c] < 0 || row[c] >= N) return fail(kSlotRange, s, row[c], c);
+      used.emplace_back(row[c], int32_t(s));
+    }
+  }
+  return check_distinct(used);
+}
+
+}  // namespace gdn
