@@ -1,0 +1,35 @@
+"""gdn_jax: Gated DeltaNet (GDN) attention for JAX on CPU.
+
+Native XLA FFI kernels (AVX512-BF16, AVX-512, portable C++; AMX and NEON back ends) chosen at
+run time from the CPU's features, and a pure-jnp reference of every op with the same
+signatures. See README.md for the contract (shapes, layouts, numerics).
+"""
+from ._checks import PAD_SLOT_ID, InvalidBatchError
+from ._ffi import available_isas, cpu_features, native_available, selected_isa, set_isa, use_isa
+from .ops import (
+    causal_conv1d_fwd,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    fused_gdn_gating,
+    fused_sigmoid_gating_delta_rule_update,
+    fused_sigmoid_gating_delta_rule_update_spec,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PAD_SLOT_ID",
+    "InvalidBatchError",
+    "available_isas",
+    "causal_conv1d_fwd",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "cpu_features",
+    "fused_gdn_gating",
+    "fused_sigmoid_gating_delta_rule_update",
+    "fused_sigmoid_gating_delta_rule_update_spec",
+    "native_available",
+    "selected_isa",
+    "set_isa",
+    "use_isa",
+]

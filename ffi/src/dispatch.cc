@@ -18,6 +18,7 @@
 namespace gdn {
 namespace generic { void fill_table(KernelTable&); }
 #if GDN_X86
+namespace avx2 { void fill_table(KernelTable&); }
 namespace avx512 { void fill_table(KernelTable&); }
 namespace avx512bf16 { void fill_table(KernelTable&); }
 #endif
@@ -25,6 +26,7 @@ namespace avx512bf16 { void fill_table(KernelTable&); }
 namespace {
 
 struct Features {
+  bool avx2 = false;        // AVX2 + FMA + F16C, with OS ymm state
   bool avx512 = false;      // F, DQ, BW, VL + FMA, AVX2, F16C, with OS zmm state
   bool avx512bf16 = false;  // the above + AVX512_BF16
   bool amx_tile = false, amx_bf16 = false;
@@ -58,6 +60,7 @@ Features detect() {
   unsigned a1, b1, c1, d1;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   const bool bf16 = a1 & (1u << 5);
+  f.avx2 = os_avx && fma && f16c && avx2;
   f.avx512 = os_zmm && fma && f16c && avx2 && a512f && dq && bw && vl;
   f.avx512bf16 = f.avx512 && bf16;
   f.amx_tile = amx_tile;
@@ -90,11 +93,12 @@ const Entry kEntries[] = {
 #if GDN_X86
     {"avx512bf16", avx512bf16::fill_table, [] { return features().avx512bf16; }},
     {"avx512", avx512::fill_table, [] { return features().avx512; }},
+    {"avx2", avx2::fill_table, [] { return features().avx2; }},
 #endif
     {"generic", generic::fill_table, [] { return true; }},
 };
 
-const char* const kKnown[] = {"amx", "avx512bf16", "avx512", "neon_bf16", "neon", "generic"};
+const char* const kKnown[] = {"amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic"};
 
 KernelTable g_tables[sizeof(kEntries) / sizeof(kEntries[0])];
 std::atomic<const KernelTable*> g_current{nullptr};
@@ -155,7 +159,7 @@ bool select_isa(const std::string& name, std::string* why) {
   for (const char* k : kKnown) known |= name == k;
   if (why)
     *why = known ? "ISA '" + name + "' is not built for this architecture or not implemented in this build"
-                 : "unknown ISA '" + name + "'; known: amx, avx512bf16, avx512, neon_bf16, neon, generic";
+                 : "unknown ISA '" + name + "'; known: amx, avx512bf16, avx512, avx2, neon_bf16, neon, generic";
   return false;
 }
 

@@ -7,7 +7,7 @@
 
 namespace gdn {
 
-// Names, best first: "amx", "avx512bf16", "avx512", "neon_bf16", "neon", "generic".
+// Names, best first: "amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic".
 // Those compiled into this build and supported by this CPU (and OS, for AMX tiles).
 std::vector<std::string> available_isas();
 

@@ -1,0 +1,6 @@
+// AVX2 + FMA back end (Haswell / Zen and later without AVX-512). Compiled with -mavx2 -mfma
+// -mf16c (CMakeLists.txt); selected only when the CPU and OS support all of them.
+#include <immintrin.h>
+#define GDN_ISA_NS avx2
+#define GDN_VEC_HEADER "kernels/vec_avx2.h"
+#include "kernels/all_kernels.inc"

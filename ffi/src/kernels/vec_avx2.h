@@ -1,0 +1,105 @@
+// AVX2 + FMA 16-lane f32 vector held as two __m256. Included inside the ISA namespace; no
+// include guard.
+
+constexpr int kLanes = 16;
+
+struct VF {
+  __m256 lo, hi;
+};
+
+inline __m256i tail_mask8(int n) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota);
+}
+
+inline VF vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline VF vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline VF vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 bf16x8_to_ps(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline VF vload(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {bf16x8_to_ps(_mm256_castsi256_si128(h)), bf16x8_to_ps(_mm256_extracti128_si256(h, 1))};
+}
+inline VF vload_n(const float* p, int n) {
+  if (n >= 16) return vload(p);
+  return {_mm256_maskload_ps(p, tail_mask8(n)), _mm256_maskload_ps(p + 8, tail_mask8(n - 8))};
+}
+inline VF vload_n(const bf16* p, int n) {
+  if (n >= 16) return vload(p);
+  alignas(32) bf16 t[16] = {};
+  for (int i = 0; i < n; ++i) t[i] = p[i];
+  return vload(t);
+}
+
+// Round to nearest even in integer arithmetic; NaN -> quiet NaN. Returns 8 bf16 in 128 bits.
+inline __m128i ps_to_bf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  // Pack 8 x u32 (< 65536) to 8 x u16 keeping order.
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  return packed;
+}
+inline void vstore(float* p, VF x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
+inline void vstore(bf16* p, VF x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ps_to_bf16x8(x.lo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), ps_to_bf16x8(x.hi));
+}
+inline void vstore_n(float* p, VF x, int n) {
+  if (n >= 16) return vstore(p, x);
+  _mm256_maskstore_ps(p, tail_mask8(n), x.lo);
+  _mm256_maskstore_ps(p + 8, tail_mask8(n - 8), x.hi);
+}
+inline void vstore_n(bf16* p, VF x, int n) {
+  if (n >= 16) return vstore(p, x);
+  alignas(32) bf16 t[16];
+  vstore(t, x);
+  for (int i = 0; i < n; ++i) p[i] = t[i];
+}
+
+#define GDN_VF_BINOP(op, fn) \
+  inline VF operator op(VF a, VF b) { return {fn(a.lo, b.lo), fn(a.hi, b.hi)}; }
+GDN_VF_BINOP(+, _mm256_add_ps)
+GDN_VF_BINOP(-, _mm256_sub_ps)
+GDN_VF_BINOP(*, _mm256_mul_ps)
+GDN_VF_BINOP(/, _mm256_div_ps)
+#undef GDN_VF_BINOP
+inline VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline VF vmax(VF a, VF b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+
+// Same algorithm and constants as the AVX-512 exp (vec_avx512.h); 2^n built in the exponent.
+inline __m256 exp8(__m256 a) {
+  const __m256 x = _mm256_max_ps(_mm256_min_ps(a, _mm256_set1_ps(88.7228391f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // n in [-126, 128]: split 2^n = 2^(n/2) * 2^(n - n/2) so neither factor overflows.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+  __m256 res = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  // Below the clamp the true value is < 2^-126: flush to 0 like the other back ends' underflow.
+  return _mm256_and_ps(res, _mm256_cmp_ps(a, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
+}
+inline VF vexp(VF a) { return {exp8(a.lo), exp8(a.hi)}; }
+
+inline float vsum(VF a) {
+  // Same pairwise order as the generic back end.
+  const __m256 h = _mm256_add_ps(a.lo, a.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}

@@ -1,0 +1,82 @@
+"""Thin ``jax.ffi.ffi_call`` wrappers, one per native target. No validation here (ops.py
+does it): arguments arrive with checked shapes and dtypes.
+
+Every cache argument is aliased to its result (``input_output_aliases``), so under ``jit``
+with the cache donated the kernel updates it in place. Each stateful op also returns a
+``status`` int32[4] (see _checks.STATUS_MESSAGES). Stateful ops use vmap_method
+"sequential" (correct, but it copies the cache per batch element; fold batches into the
+slot axis instead).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._ffi import TARGET_PREFIX, require_native
+
+_f32 = jnp.float32
+_STATUS = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+
+def _sds(x, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else dtype)
+
+
+def gating(a, b, A_log, dt_bias):
+    """(a, b [T, HV]) -> (g, beta [T, HV] f32)."""
+    require_native()
+    call = jax.ffi.ffi_call(
+        TARGET_PREFIX + "gating", (_sds(a, _f32), _sds(a, _f32)), vmap_method="broadcast_all"
+    )
+    return call(a, b, A_log.astype(_f32), dt_bias.astype(_f32))
+
+
+def conv_fwd(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state, *, silu, layout):
+    require_native()
+    call = jax.ffi.ffi_call(
+        TARGET_PREFIX + "conv_fwd",
+        (_sds(x), _sds(conv_state), _STATUS),
+        input_output_aliases={3: 1},
+        vmap_method="sequential",
+    )
+    return call(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+                silu=np.int32(silu), layout=np.int32(layout))
+
+
+def conv_update(x, weight, bias, conv_state, query_start_loc, state_indices, num_accepted, *, silu, layout):
+    require_native()
+    call = jax.ffi.ffi_call(
+        TARGET_PREFIX + "conv_update",
+        (_sds(x), _sds(conv_state), _STATUS),
+        input_output_aliases={3: 1},
+        vmap_method="sequential",
+    )
+    return call(x, weight, bias, conv_state, query_start_loc, state_indices, num_accepted,
+                silu=np.int32(silu), layout=np.int32(layout))
+
+
+def recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, state_indices, num_accepted,
+              *, scale, eps, l2norm):
+    require_native()
+    call = jax.ffi.ffi_call(
+        TARGET_PREFIX + "recurrent",
+        (_sds(v), _sds(ssm_state), _STATUS),
+        input_output_aliases={7: 1},
+        vmap_method="sequential",
+    )
+    return call(q, k, v, a, b, A_log.astype(_f32), dt_bias.astype(_f32), ssm_state, query_start_loc,
+                state_indices, num_accepted, scale=np.float32(scale), eps=np.float32(eps),
+                l2norm=np.int32(l2norm))
+
+
+def chunk(q, k, v, g, beta, ssm_state, query_start_loc, state_indices, has_initial_state, *, scale, eps, l2norm):
+    require_native()
+    call = jax.ffi.ffi_call(
+        TARGET_PREFIX + "chunk",
+        (_sds(v), _sds(ssm_state), _STATUS),
+        input_output_aliases={5: 1},
+        vmap_method="sequential",
+    )
+    return call(q, k, v, g.astype(_f32), beta.astype(_f32), ssm_state, query_start_loc, state_indices,
+                has_initial_state, scale=np.float32(scale), eps=np.float32(eps), l2norm=np.int32(l2norm))

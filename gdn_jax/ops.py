@@ -1,0 +1,393 @@
+"""The GDN ops, each with ``impl="auto" | "native" | "reference"``.
+
+``"auto"`` runs the native XLA FFI kernels when JAX's default backend is the CPU and the pure
+jnp reference elsewhere, so code written against gdn_jax runs on any JAX backend. Both
+implementations take the same arguments, validate them the same way (static mistakes raise
+at trace time naming the argument) and refuse the same bad batches before writing anything.
+
+Data-dependent errors (a slot out of range, one slot named twice, a bad ``query_start_loc``
+or ``num_accepted_tokens``): the op writes nothing and its output is zero. Called eagerly,
+the op raises ``InvalidBatchError``; under ``jit`` it cannot raise without losing a donated
+cache, so it logs the error from a host callback (only when one occurs) and returns the
+caches unchanged. The ``*_with_status`` variants return the status vector instead, for
+callers that check it themselves (the serving steps do).
+
+Shapes: T tokens, S rows (sequences), H key heads, HV value heads (HV % H == 0), K/V head
+dims, D = 2*H*K + HV*V conv channels, W conv width, N cache slots, L conv state length.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks as C
+from . import _native
+from ._checks import InvalidBatchError
+from ._ffi import native_available
+
+_log = logging.getLogger("gdn_jax")
+IMPLS = ("auto", "native", "reference")
+
+
+def resolve_impl(impl: str) -> str:
+    """'native' or 'reference' for an ``impl`` argument."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "native" if jax.default_backend() == "cpu" and native_available() else "reference"
+    return impl
+
+
+def _reference():
+    from . import reference  # imported lazily: it is only needed off the native path
+
+    return reference
+
+
+def _report_host(op: str, status) -> None:
+    msg = C.status_message(op, status)
+    if msg:
+        _log.error(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
+def report_status(op: str, status) -> None:
+    """Raise (eager) or log from a host callback (traced) if ``status`` is an error."""
+    if isinstance(status, jax.core.Tracer):
+        jax.lax.cond(status[0] != 0, lambda s: jax.debug.callback(lambda v: _report_host(op, v), s),
+                     lambda s: None, status)
+        return
+    msg = C.status_message(op, status)
+    if msg:
+        raise InvalidBatchError(msg)
+
+
+def _guarded(status, run, skip):
+    """Reference path: run() only when status is OK, else skip() (nothing written)."""
+    return jax.lax.cond(status[0] == 0, run, skip)
+
+
+# --- gating ----------------------------------------------------------------------------------
+
+
+def fused_gdn_gating(a, b, *, A_log, dt_bias, impl: str = "auto"):
+    """Gates of the gated delta rule.
+
+    Args:
+      a, b: [T, HV] activation dtype (bf16 or f32).
+      A_log: [HV]; dt_bias: [HV] (f32 or the activation dtype).
+    Returns:
+      g: [T, HV] f32, ``-exp(A_log) * softplus(a + dt_bias)`` (log-space decay).
+      beta: [T, HV] f32, ``sigmoid(b)``.
+    """
+    T, HV = C.check_rank("a", a, 2, "[T, HV]")
+    C.check_dtype("a", a, C.ACT_DTYPES)
+    C.check_shape("b", b, (T, HV), "[T, HV] like a")
+    C.check_same_dtype("b", b, "a", a)
+    C.check_gate_params(A_log, dt_bias, HV)
+    if resolve_impl(impl) == "native":
+        return _native.gating(a, b, A_log, dt_bias)
+    return _reference().fused_gdn_gating(a, b, A_log=A_log, dt_bias=dt_bias)
+
+
+# --- causal conv -----------------------------------------------------------------------------
+
+
+def _conv_common(x, weight, bias, conv_state, activation, conv_state_layout):
+    T, D = C.check_rank("x", x, 2, "[T, D]")
+    C.check_dtype("x", x, C.ACT_DTYPES)
+    Dw, W = C.check_rank("weight", weight, 2, "[D, W]")
+    if Dw != D:
+        raise ValueError(f"weight must be [D, W] with D={D} (channels of x), got shape {weight.shape}")
+    if not 2 <= W <= 4:
+        raise ValueError(f"conv width W = weight.shape[1] must be 2, 3 or 4, got {W}")
+    C.check_dtype("weight", weight, C.ACT_DTYPES)
+    if bias is not None:
+        C.check_shape("bias", bias, (D,), "[D]")
+        C.check_dtype("bias", bias, C.ACT_DTYPES)
+    silu = C.check_activation(activation)
+    layout = C.check_layout(conv_state_layout)
+    N, L = C.conv_state_dims(conv_state, conv_state_layout, D)
+    if L < W - 1:
+        raise ValueError(f"conv_state length L={L} must be at least W-1={W - 1}")
+    C.check_same_dtype("conv_state", conv_state, "x", x)
+    w32 = weight.astype(jnp.float32)
+    b32 = jnp.zeros((D,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    return T, D, W, N, L, silu, layout, w32, b32
+
+
+def causal_conv1d_fwd_with_status(x, *, weight, bias, conv_state, query_start_loc, state_indices,
+                                  has_initial_state, activation="silu", conv_state_layout="SD", impl="auto"):
+    """:func:`causal_conv1d_fwd` returning ``(y, conv_state, status int32[4])``."""
+    T, D, W, N, L, silu, layout, w32, b32 = _conv_common(x, weight, bias, conv_state, activation, conv_state_layout)
+    (S,) = C.check_rank("state_indices", state_indices, 1, "[S]")
+    C.check_index("state_indices", state_indices, (S,), "[S]")
+    C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
+    C.check_bool("has_initial_state", has_initial_state, (S,), "[S]")
+    if resolve_impl(impl) == "native":
+        return _native.conv_fwd(x, w32, b32, conv_state, query_start_loc, state_indices, has_initial_state,
+                                silu=silu, layout=layout)
+    status = C.status_slots_jnp(query_start_loc, state_indices, T, N)
+    ref = _reference()
+
+    def run():
+        return ref.causal_conv1d_fwd(x, weight=weight, bias=bias, conv_state=conv_state,
+                                     query_start_loc=query_start_loc, state_indices=state_indices,
+                                     has_initial_state=has_initial_state, activation=activation,
+                                     conv_state_layout=conv_state_layout)
+
+    y, cs = _guarded(status, run, lambda: (jnp.zeros_like(x), conv_state))
+    return y, cs, status
+
+
+def causal_conv1d_fwd(x, *, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+                      activation="silu", conv_state_layout="SD", impl="auto"):
+    """Varlen causal depthwise conv1d (prefill) over a pool of conv states.
+
+    Args:
+      x: [T, D] raw inputs (``mixed_qkv``), activation dtype; sequence s is tokens
+        ``[query_start_loc[s], query_start_loc[s+1])``.
+      weight: [D, W] (tap W-1 multiplies the current token); bias: [D] or None.
+      conv_state: [N, L, D] ("SD") or [N, D, L] ("DS") pool of raw inputs, dtype of x.
+      query_start_loc: [S + 1] int32; state_indices: [S] int32 (-1 = padding row);
+      has_initial_state: [S] bool (False: the slot's old contents are ignored).
+      activation: "silu" or None.
+    Returns:
+      y: [T, D] in x's dtype (zero for padding rows and tokens past query_start_loc[-1]).
+      conv_state: the pool with rows [0, W-1) of each named slot holding the last W-1 raw
+        inputs of ``prior ++ x``; every other slot and row unchanged.
+    """
+    y, cs, status = causal_conv1d_fwd_with_status(
+        x, weight=weight, bias=bias, conv_state=conv_state, query_start_loc=query_start_loc,
+        state_indices=state_indices, has_initial_state=has_initial_state, activation=activation,
+        conv_state_layout=conv_state_layout, impl=impl)
+    report_status("causal_conv1d_fwd", status)
+    return y, cs
+
+
+def causal_conv1d_update_with_status(x, *, weight, bias, conv_state, state_indices, activation="silu",
+                                     num_accepted_tokens=None, query_start_loc=None, conv_state_layout="SD",
+                                     impl="auto"):
+    """:func:`causal_conv1d_update` returning ``(y, conv_state, status int32[4])``."""
+    T, D, W, N, L, silu, layout, w32, b32 = _conv_common(x, weight, bias, conv_state, activation, conv_state_layout)
+    (S,) = C.check_rank("state_indices", state_indices, 1, "[S]")
+    C.check_index("state_indices", state_indices, (S,), "[S]")
+    if query_start_loc is None:
+        if T != S:
+            raise ValueError(f"without query_start_loc each row has one token: x must be [S, D] with S={S}, got T={T}")
+        qsl = jnp.arange(S + 1, dtype=jnp.int32)
+    else:
+        C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
+        qsl = query_start_loc
+    if num_accepted_tokens is None:
+        acc = jnp.ones((S,), jnp.int32)
+    else:
+        C.check_index("num_accepted_tokens", num_accepted_tokens, (S,), "[S]")
+        acc = num_accepted_tokens
+    if resolve_impl(impl) == "native":
+        return _native.conv_update(x, w32, b32, conv_state, qsl, state_indices, acc, silu=silu, layout=layout)
+    max_rows = L - W + 2
+    status = C.status_spec_jnp(qsl, state_indices[:, None], acc, T, N, max_rows, max_rows, slot_cols=False)
+    ref = _reference()
+
+    def run():
+        return ref.causal_conv1d_update(x, weight=weight, bias=bias, conv_state=conv_state,
+                                        state_indices=state_indices, activation=activation,
+                                        num_accepted_tokens=acc, query_start_loc=qsl,
+                                        conv_state_layout=conv_state_layout)
+
+    y, cs = _guarded(status, run, lambda: (jnp.zeros_like(x), conv_state))
+    return y, cs, status
+
+
+def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activation="silu",
+                         num_accepted_tokens=None, query_start_loc=None, conv_state_layout="SD", impl="auto"):
+    """Causal conv1d decode step, and the spec-decode rolling-buffer update.
+
+    Args:
+      x: [T, D]; without ``query_start_loc`` one token per row (T == S).
+      conv_state: [N, L, D] ("SD") or [N, D, L] ("DS"), L = W - 1 + num_spec.
+      state_indices: [S] int32, the row's conv slot (column 0 of the spec block table).
+      num_accepted_tokens: [S] int32 in [1, L - W + 2] or None (= 1): the window is rows
+        ``[acc-1, acc-1+W-1)`` of the slot.
+      query_start_loc: [S + 1] int32 or None: row i has q_i <= L - W + 2 tokens.
+    Returns:
+      y: [T, D], the conv over ``window ++ x_row``.
+      conv_state: rows ``[0, W-2+q_i)`` of each named slot hold ``window[1:] ++ x_row``
+        (plain decode: the window shifted by one token); other rows and slots unchanged.
+    """
+    y, cs, status = causal_conv1d_update_with_status(
+        x, weight=weight, bias=bias, conv_state=conv_state, state_indices=state_indices, activation=activation,
+        num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
+        conv_state_layout=conv_state_layout, impl=impl)
+    report_status("causal_conv1d_update", status)
+    return y, cs
+
+
+# --- gated delta rule ------------------------------------------------------------------------
+
+
+def _scale(scale, K):
+    return float(K) ** -0.5 if scale is None else float(scale)
+
+
+def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_start_loc, state_indices,
+                                       has_initial_state, scale=None, use_qk_l2norm=True, l2norm_eps=1e-6,
+                                       impl="auto"):
+    """:func:`chunk_gated_delta_rule` returning ``(o, ssm_state, status int32[4])``."""
+    T, H, K, HV, V = C.check_qkv(q, k, v)
+    N = C.check_ssm_state(ssm_state, HV, K, V)
+    C.check_shape("g", g, (T, HV), "[T, HV]")
+    C.check_dtype("g", g, C.ACT_DTYPES)
+    C.check_shape("beta", beta, (T, HV), "[T, HV]")
+    C.check_dtype("beta", beta, C.ACT_DTYPES)
+    (S,) = C.check_rank("state_indices", state_indices, 1, "[S]")
+    C.check_index("state_indices", state_indices, (S,), "[S]")
+    C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
+    C.check_bool("has_initial_state", has_initial_state, (S,), "[S]")
+    sc = _scale(scale, K)
+    if resolve_impl(impl) == "native":
+        return _native.chunk(q, k, v, g, beta, ssm_state, query_start_loc, state_indices, has_initial_state,
+                             scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
+    status = C.status_slots_jnp(query_start_loc, state_indices, T, N)
+    ref = _reference()
+
+    def run():
+        return ref.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, ssm_state=ssm_state,
+                                          query_start_loc=query_start_loc, state_indices=state_indices,
+                                          has_initial_state=has_initial_state, scale=sc,
+                                          use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps)
+
+    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state))
+    return o, st, status
+
+
+def chunk_gated_delta_rule(q, k, v, *, g, beta, ssm_state, query_start_loc, state_indices, has_initial_state,
+                           scale=None, use_qk_l2norm=True, l2norm_eps=1e-6, impl="auto"):
+    """Varlen chunked (chunk 64) gated delta rule prefill over a pool of SSM states.
+
+    Args:
+      q, k: [T, H, K]; v: [T, HV, V]; activation dtype. Value head h uses key head h // (HV // H).
+      g: [T, HV] log-space decay; beta: [T, HV] (post-sigmoid), e.g. from fused_gdn_gating.
+      ssm_state: [N, HV, K, V] (k-major per head), f32 or bf16.
+      query_start_loc: [S + 1] int32; state_indices: [S] int32 (-1 = padding);
+      has_initial_state: [S] bool (False: start from zeros, the slot's contents are ignored).
+      scale: defaults to K ** -0.5; use_qk_l2norm / l2norm_eps: normalise q and k first.
+    Returns:
+      o: [T, HV, V] activation dtype; ssm_state with each named slot holding its final state.
+    """
+    o, st, status = chunk_gated_delta_rule_with_status(
+        q, k, v, g=g, beta=beta, ssm_state=ssm_state, query_start_loc=query_start_loc,
+        state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
+    report_status("chunk_gated_delta_rule", status)
+    return o, st
+
+
+def _recurrent_common(q, k, v, a, b, A_log, dt_bias, ssm_state):
+    T, H, K, HV, V = C.check_qkv(q, k, v)
+    N = C.check_ssm_state(ssm_state, HV, K, V)
+    C.check_shape("a", a, (T, HV), "[T, HV]")
+    C.check_same_dtype("a", a, "q", q)
+    C.check_shape("b", b, (T, HV), "[T, HV]")
+    C.check_same_dtype("b", b, "q", q)
+    C.check_gate_params(A_log, dt_bias, HV)
+    return T, H, K, HV, V, N
+
+
+def fused_sigmoid_gating_delta_rule_update_with_status(q, k, v, *, a, b, A_log, dt_bias, ssm_state, state_indices,
+                                                       scale=None, use_qk_l2norm=True, l2norm_eps=1e-6,
+                                                       impl="auto"):
+    """:func:`fused_sigmoid_gating_delta_rule_update` returning ``(o, ssm_state, status)``."""
+    B, H, K, HV, V, N = _recurrent_common(q, k, v, a, b, A_log, dt_bias, ssm_state)
+    C.check_index("state_indices", state_indices, (B,), "[B] (one row per token)")
+    sc = _scale(scale, K)
+    qsl = jnp.arange(B + 1, dtype=jnp.int32)
+    acc = jnp.ones((B,), jnp.int32)
+    if resolve_impl(impl) == "native":
+        return _native.recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, qsl, state_indices[:, None], acc,
+                                 scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
+    status = C.status_spec_jnp(qsl, state_indices[:, None], acc, B, N, 1, 1, slot_cols=True)
+    ref = _reference()
+
+    def run():
+        return ref.fused_sigmoid_gating_delta_rule_update(
+            q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_indices=state_indices,
+            scale=sc, use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps)
+
+    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state))
+    return o, st, status
+
+
+def fused_sigmoid_gating_delta_rule_update(q, k, v, *, a, b, A_log, dt_bias, ssm_state, state_indices, scale=None,
+                                           use_qk_l2norm=True, l2norm_eps=1e-6, impl="auto"):
+    """One decode step of the gated delta rule with fused gating, in place at ``state_indices``.
+
+    Args:
+      q, k: [B, H, K]; v: [B, HV, V]; a, b: [B, HV] (raw gate inputs); activation dtype.
+      A_log, dt_bias: [HV]. ssm_state: [N, HV, K, V] f32 or bf16.
+      state_indices: [B] int32 (-1 = padding row: zero output, nothing written).
+    Returns:
+      o: [B, HV, V]; ssm_state with slot ``state_indices[b]`` advanced by one token.
+    """
+    o, st, status = fused_sigmoid_gating_delta_rule_update_with_status(
+        q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_indices=state_indices,
+        scale=scale, use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
+    report_status("fused_sigmoid_gating_delta_rule_update", status)
+    return o, st
+
+
+def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_log, dt_bias, ssm_state,
+                                                            query_start_loc, spec_state_indices,
+                                                            num_accepted_tokens, scale=None, use_qk_l2norm=True,
+                                                            l2norm_eps=1e-6, impl="auto"):
+    """:func:`fused_sigmoid_gating_delta_rule_update_spec` returning ``(o, ssm_state, status)``."""
+    T, H, K, HV, V, N = _recurrent_common(q, k, v, a, b, A_log, dt_bias, ssm_state)
+    S, cols = C.check_rank("spec_state_indices", spec_state_indices, 2, "[S, num_spec + 1]")
+    C.check_index("spec_state_indices", spec_state_indices, (S, cols), "[S, num_spec + 1]")
+    C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
+    C.check_index("num_accepted_tokens", num_accepted_tokens, (S,), "[S]")
+    sc = _scale(scale, K)
+    if resolve_impl(impl) == "native":
+        return _native.recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, spec_state_indices,
+                                 num_accepted_tokens, scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
+    status = C.status_spec_jnp(query_start_loc, spec_state_indices, num_accepted_tokens, T, N, cols, cols,
+                               slot_cols=True)
+    ref = _reference()
+
+    def run():
+        return ref.fused_sigmoid_gating_delta_rule_update_spec(
+            q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, query_start_loc=query_start_loc,
+            spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens, scale=sc,
+            use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps)
+
+    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state))
+    return o, st, status
+
+
+def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias, ssm_state, query_start_loc,
+                                                spec_state_indices, num_accepted_tokens, scale=None,
+                                                use_qk_l2norm=True, l2norm_eps=1e-6, impl="auto"):
+    """Speculative-decode verify step with fused gating (index-scatter state slots).
+
+    Row i has tokens ``[query_start_loc[i], query_start_loc[i+1])`` (1 + its drafts,
+    at most num_spec + 1). It starts from slot ``spec_state_indices[i, num_accepted_tokens[i]-1]``
+    and writes the state after its token t into slot ``spec_state_indices[i, t]``. A row whose
+    column 0 is -1 is padding.
+
+    Args:
+      q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV]; A_log, dt_bias: [HV].
+      ssm_state: [N, HV, K, V]; spec_state_indices: [S, num_spec + 1] int32;
+      num_accepted_tokens: [S] int32 in [1, num_spec + 1]; query_start_loc: [S + 1] int32.
+    Returns:
+      o: [T, HV, V]; ssm_state with the per-token states scattered.
+    """
+    o, st, status = fused_sigmoid_gating_delta_rule_update_spec_with_status(
+        q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, query_start_loc=query_start_loc,
+        spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
+    report_status("fused_sigmoid_gating_delta_rule_update_spec", status)
+    return o, st
