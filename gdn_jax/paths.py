@@ -177,6 +177,17 @@ def _neutralise(batch: BatchMetadata, ok) -> BatchMetadata:
         num_tokens=jnp.where(ok, batch.num_tokens, 0))
 
 
+def _as_bits(pool):
+    # XLA:CPU turns a scatter into a bf16 pool into a convert of the whole pool to f32 and
+    # back; moving the bits as uint16 is exact and halves that cost (it still costs one
+    # pass over the pool each way: see the README of paths / the report).
+    return lax.bitcast_convert_type(pool, jnp.uint16) if pool.dtype == jnp.bfloat16 else pool
+
+
+def _from_bits(pool, dtype):
+    return lax.bitcast_convert_type(pool, dtype) if pool.dtype != dtype else pool
+
+
 def _commit(config: GDNConfig, cache, spec_state_indices, num_accepted_tokens):
     """Traceable commit_accepted: (cache, status int32[4])."""
     if not isinstance(cache, GDNCache):
@@ -204,19 +215,22 @@ def _commit(config: GDNConfig, cache, spec_state_indices, num_accepted_tokens):
         src = jnp.take_along_axis(spec_state_indices, a1[:, None], axis=1)[:, 0]
         src_r = jnp.where(move, src, 0)
         dst = jnp.where(move, col0, N)  # N: dropped by the scatter
-        ssm = c.ssm_state.at[dst].set(c.ssm_state[src_r], mode="drop")
+        ssm = _as_bits(c.ssm_state)
+        ssm = ssm.at[dst].set(ssm[src_r], mode="drop")
         W1 = config.W - 1
         trow = jnp.arange(W1, dtype=jnp.int32)[None, :]
         src_rows = a1[:, None] + trow                     # [S, W-1] rows [acc-1, acc-1+W-1)
         slot_c = jnp.where(move, col0, 0)[:, None]
         dst_c = dst[:, None]
+        conv = _as_bits(c.conv_state)
         if config.conv_state_layout == "SD":
-            win = c.conv_state[slot_c, src_rows]            # [S, W-1, D]
-            conv = c.conv_state.at[dst_c, trow].set(win, mode="drop")
+            win = conv[slot_c, src_rows]                    # [S, W-1, D]
+            conv = conv.at[dst_c, trow].set(win, mode="drop")
         else:
-            win = c.conv_state[slot_c, :, src_rows]         # [S, W-1, D]
-            conv = c.conv_state.at[dst_c, :, trow].set(win, mode="drop")
-        return GDNCache(conv_state=conv, ssm_state=ssm)
+            win = conv[slot_c, :, src_rows]                 # [S, W-1, D]
+            conv = conv.at[dst_c, :, trow].set(win, mode="drop")
+        return GDNCache(conv_state=_from_bits(conv, c.conv_state.dtype),
+                        ssm_state=_from_bits(ssm, c.ssm_state.dtype))
 
     return run(cache), status
 
