@@ -356,10 +356,13 @@ def test_spec_accuracy(isa, dtypes, G):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("state", [F32, BF16], ids=["state_f32", "state_bf16"])
-def test_spec_in_place(isa, state):
-    """The start column acc-1 is also written (by token acc-1): read once, then overwritten."""
+@pytest.mark.parametrize("V", [64, 40])
+def test_spec_in_place(isa, state, V):
+    """The start column acc-1 is also written (by token acc-1): read once, then overwritten.
+    V=64: the other slots are written with non-temporal stores; V=40 (not a multiple of 16):
+    plain stores throughout, an f32 state continues from the slot it just wrote."""
     rng = np.random.default_rng(21)
-    H, HV, K, V, N = 1, 2, 32, 64, 12
+    H, HV, K, N = 1, 2, 32, 12
     qsl = np.array([0, 4, 7, 8], np.int32)
     sidx = np.array([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], np.int32)
     acc = np.array([2, 3, 1], np.int32)  # row 0 reads slot 1, row 1 slot 6, row 2 slot 8: all rewritten
