@@ -27,7 +27,7 @@ def gating(a, b, A_log, dt_bias):
     """(a, b [T, HV]) -> (g, beta [T, HV] f32)."""
     require_native()
     call = jax.ffi.ffi_call(
-        TARGET_PREFIX + "gating", (_sds(a, _f32), _sds(a, _f32)), vmap_method="broadcast_all"
+        TARGET_PREFIX + "gating", (_sds(a, _f32), _sds(a, _f32)), vmap_method="expand_dims"
     )
     return call(a, b, A_log.astype(_f32), dt_bias.astype(_f32))
 

@@ -1,5 +1,5 @@
 // gdn_jax_gating: (a, b [T, HV], A_log, dt_bias [HV] f32) -> (g, beta [T, HV] f32).
-// Leading dims of a/b are flattened, so vmap "broadcast_all" works.
+// Leading dims of a/b are flattened, so vmap "expand_dims" works (A_log, dt_bias unbatched).
 #include "handlers/common.h"
 
 namespace gdn {
@@ -16,7 +16,8 @@ static ffi::Error GatingImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuf
   p.T = p.HV ? int64_t(a.element_count()) / p.HV : 0;
   if (b.element_count() != a.element_count() || A_log.element_count() != size_t(p.HV) ||
       dt_bias.element_count() != size_t(p.HV))
-    return bad("fused_gdn_gating", "shape mismatch: a " + dims_str(d) + ", b " + dims_str(b.dimensions()));
+    return bad("fused_gdn_gating", "shape mismatch: a " + dims_str(d) + ", b " + dims_str(b.dimensions()) +
+                                       " (A_log and dt_bias [HV] must not be batched)");
   p.a = a.untyped_data();
   p.b = b.untyped_data();
   p.A_log = A_log.typed_data();

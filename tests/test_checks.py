@@ -1,0 +1,205 @@
+"""Validation: static mistakes raise at trace time naming the argument; bad batches are
+refused by the kernels (and by the reference path's jnp mirror) with the same status and
+nothing written."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_jax
+from gdn_jax import _checks
+
+H, HV, K, V, W = 2, 4, 16, 16, 4
+D = 2 * H * K + HV * V
+
+
+def _qkv(T, dtype=jnp.float32):
+    z = lambda *s: jnp.zeros(s, dtype)  # noqa: E731
+    return z(T, H, K), z(T, H, K), z(T, HV, V)
+
+
+def _gates(T, dtype=jnp.float32):
+    return dict(a=jnp.zeros((T, HV), dtype), b=jnp.zeros((T, HV), dtype),
+                A_log=jnp.zeros((HV,), jnp.float32), dt_bias=jnp.zeros((HV,), jnp.float32))
+
+
+# --- static checks ---------------------------------------------------------------------------
+
+
+def test_hv_not_multiple_of_h():
+    q, k, _ = _qkv(3)
+    v = jnp.zeros((3, 3, V))
+    with pytest.raises(ValueError, match=r"HV=3 must be a positive multiple of key heads H=2"):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update(
+            q, k, v, a=jnp.zeros((3, 3)), b=jnp.zeros((3, 3)), A_log=jnp.zeros(3), dt_bias=jnp.zeros(3),
+            ssm_state=jnp.zeros((4, 3, K, V)), state_indices=jnp.arange(3, dtype=jnp.int32))
+
+
+def test_state_shape_named():
+    q, k, v = _qkv(2)
+    with pytest.raises(ValueError, match=r"ssm_state must be \[N, HV, K, V\] = \[N, 4, 16, 16\]"):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update(
+            q, k, v, **_gates(2), ssm_state=jnp.zeros((4, HV, V, K + 16)), state_indices=jnp.arange(2, dtype=jnp.int32))
+
+
+def test_index_dtype_named():
+    q, k, v = _qkv(2)
+    with pytest.raises(TypeError, match="state_indices must have dtype int32, got int64|state_indices must have dtype int32"):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update(
+            q, k, v, **_gates(2), ssm_state=jnp.zeros((4, HV, K, V)),
+            state_indices=np.arange(2, dtype=np.int64).astype(np.float32))
+
+
+def test_mixed_activation_dtypes_named():
+    q, k, v = _qkv(2)
+    with pytest.raises(TypeError, match=r"k must have the dtype of q \(float32\), got bfloat16"):
+        gdn_jax.chunk_gated_delta_rule(
+            q, k.astype(jnp.bfloat16), v, g=jnp.zeros((2, HV)), beta=jnp.zeros((2, HV)),
+            ssm_state=jnp.zeros((4, HV, K, V)), query_start_loc=jnp.array([0, 2], jnp.int32),
+            state_indices=jnp.array([0], jnp.int32), has_initial_state=jnp.array([True]))
+
+
+def test_unsupported_dtype_named():
+    with pytest.raises(TypeError, match="a must have dtype float32, bfloat16, got float16"):
+        gdn_jax.fused_gdn_gating(jnp.zeros((2, HV), jnp.float16), jnp.zeros((2, HV), jnp.float16),
+                                 A_log=jnp.zeros(HV), dt_bias=jnp.zeros(HV))
+
+
+def test_conv_layout_and_shapes_named():
+    x = jnp.zeros((5, D))
+    w = jnp.zeros((D, W))
+    qsl = jnp.array([0, 5], jnp.int32)
+    idx = jnp.array([0], jnp.int32)
+    hs = jnp.array([False])
+    with pytest.raises(ValueError, match="conv_state_layout must be 'SD'"):
+        gdn_jax.causal_conv1d_fwd(x, weight=w, bias=None, conv_state=jnp.zeros((2, 3, D)), query_start_loc=qsl,
+                                  state_indices=idx, has_initial_state=hs, conv_state_layout="TD")
+    with pytest.raises(ValueError, match=r"conv_state \(DS layout\) must be \[N, D, L\]"):
+        gdn_jax.causal_conv1d_fwd(x, weight=w, bias=None, conv_state=jnp.zeros((2, 3, D)), query_start_loc=qsl,
+                                  state_indices=idx, has_initial_state=hs, conv_state_layout="DS")
+    with pytest.raises(ValueError, match="conv_state length L=2 must be at least W-1=3"):
+        gdn_jax.causal_conv1d_fwd(x, weight=w, bias=None, conv_state=jnp.zeros((2, 2, D)), query_start_loc=qsl,
+                                  state_indices=idx, has_initial_state=hs)
+    with pytest.raises(ValueError, match=r"query_start_loc must be \[S \+ 1\]"):
+        gdn_jax.causal_conv1d_fwd(x, weight=w, bias=None, conv_state=jnp.zeros((2, 3, D)),
+                                  query_start_loc=jnp.array([0, 2, 5], jnp.int32), state_indices=idx,
+                                  has_initial_state=hs)
+    with pytest.raises(ValueError, match="activation must be 'silu' or None"):
+        gdn_jax.causal_conv1d_fwd(x, weight=w, bias=None, conv_state=jnp.zeros((2, 3, D)), query_start_loc=qsl,
+                                  state_indices=idx, has_initial_state=hs, activation="gelu")
+    with pytest.raises(ValueError, match="conv width W = weight.shape\\[1\\] must be 2, 3 or 4, got 5"):
+        gdn_jax.causal_conv1d_fwd(x, weight=jnp.zeros((D, 5)), bias=None, conv_state=jnp.zeros((2, 4, D)),
+                                  query_start_loc=qsl, state_indices=idx, has_initial_state=hs)
+
+
+def test_static_errors_raise_under_jit_too():
+    q, k, v = _qkv(2)
+    f = jax.jit(lambda q: gdn_jax.fused_sigmoid_gating_delta_rule_update(
+        q, k, v, **_gates(2), ssm_state=jnp.zeros((4, HV, K, V)), state_indices=jnp.arange(3, dtype=jnp.int32)))
+    with pytest.raises(ValueError, match=r"state_indices must be \[B\]"):
+        f(q)
+
+
+# --- data checks: kernel status == jnp mirror, nothing written ---------------------------
+
+
+def _status_pair(fn):
+    outs = {impl: fn(impl) for impl in ("native", "reference")}
+    return outs
+
+
+BAD_SPEC = {
+    "slot out of range": ([0, 1, 2], [[0, 1], [8, 9]], [1, 1], "slot 8 \\(column 0\\) is outside"),
+    "negative slot": ([0, 1, 2], [[0, 1], [-3, 5]], [1, 1], "slot -3 \\(column 0\\) is outside"),
+    "slot twice": ([0, 1, 2], [[2, 3], [2, 5]], [1, 1], "slot 2 is also named by row 0"),
+    "slot twice in used columns": ([0, 1, 3], [[2, 3], [4, 2]], [1, 1], "slot 2 is also named by row 0"),
+    "slot twice via accepted column": ([0, 1, 2], [[2, 3], [4, 5]], [1, 2], None),
+    "accepted zero": ([0, 1, 2], [[0, 1], [2, 3]], [0, 1], "num_accepted_tokens = 0 is outside \\[1, 2\\]"),
+    "accepted too many": ([0, 1, 2], [[0, 1], [2, 3]], [1, 3], "num_accepted_tokens = 3 is outside \\[1, 2\\]"),
+    "row too long": ([0, 3, 3], [[0, 1], [2, 3]], [1, 1], "3 tokens, more than the 2"),
+    "qsl decreasing": ([0, 2, 1], [[0, 1], [2, 3]], [1, 1], "must be non-decreasing"),
+    "qsl past T": ([0, 1, 4], [[0, 1], [2, 3]], [1, 1], "is past the number of tokens T = 3"),
+    "qsl start": ([1, 2, 3], [[0, 1], [2, 3]], [1, 1], "query_start_loc\\[0\\] must be 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPEC))
+def test_spec_batch_refused_identically(case):
+    qsl, idx, acc, pattern = BAD_SPEC[case]
+    T, N = 3, 6
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((T, H, K), (T, H, K), (T, HV, V)))
+    pool = jnp.asarray(rng.normal(size=(N, HV, K, V)), jnp.float32)
+    before = np.asarray(pool).copy()
+    statuses = {}
+    for impl in ("native", "reference"):
+        o, st, status = gdn_jax.ops.fused_sigmoid_gating_delta_rule_update_spec_with_status(
+            q, k, v, **_gates(T), ssm_state=pool, query_start_loc=jnp.asarray(qsl, jnp.int32),
+            spec_state_indices=jnp.asarray(idx, jnp.int32), num_accepted_tokens=jnp.asarray(acc, jnp.int32),
+            impl=impl)
+        statuses[impl] = np.asarray(status)
+        if case == "slot twice via accepted column":
+            # Row 1 reads column acc-1 = 1 (slot 5); row 0 uses only slot 2: legal.
+            assert statuses[impl][0] == 0
+            continue
+        np.testing.assert_array_equal(np.asarray(st), before)
+        assert not np.any(np.asarray(o))
+    if case == "slot twice via accepted column":
+        return
+    assert statuses["native"][0] != 0
+    np.testing.assert_array_equal(statuses["native"], statuses["reference"])
+    msg = _checks.status_message("op", statuses["native"])
+    assert re_search(pattern, msg), msg
+    with pytest.raises(gdn_jax.InvalidBatchError, match=pattern):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update_spec(
+            q, k, v, **_gates(T), ssm_state=pool, query_start_loc=jnp.asarray(qsl, jnp.int32),
+            spec_state_indices=jnp.asarray(idx, jnp.int32), num_accepted_tokens=jnp.asarray(acc, jnp.int32),
+            impl="native")
+
+
+def re_search(pattern, s):
+    import re
+
+    return re.search(pattern, s) is not None
+
+
+@pytest.mark.parametrize("idx,qsl,pattern", [
+    ([0, 9], [0, 2, 4], "slot 9"),
+    ([5, 5], [0, 2, 4], "slot 5 is also named by row 0"),
+    ([-2, 1], [0, 2, 4], "slot -2"),
+    ([0, 1], [0, 3, 2], "non-decreasing"),
+    ([0, 1], [0, 2, 5], "past the number of tokens"),
+])
+def test_prefill_batch_refused_identically(idx, qsl, pattern):
+    T, N = 4, 6
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    cs = jnp.asarray(rng.normal(size=(N, W - 1, D)), jnp.float32)
+    before = np.asarray(cs).copy()
+    sts = []
+    for impl in ("native", "reference"):
+        y, cs2, st = gdn_jax.ops.causal_conv1d_fwd_with_status(
+            x, weight=jnp.ones((D, W)), bias=None, conv_state=cs, query_start_loc=jnp.asarray(qsl, jnp.int32),
+            state_indices=jnp.asarray(idx, jnp.int32), has_initial_state=jnp.array([True, False]), impl=impl)
+        np.testing.assert_array_equal(np.asarray(cs2), before)
+        assert not np.any(np.asarray(y))
+        sts.append(np.asarray(st))
+    assert sts[0][0] != 0
+    np.testing.assert_array_equal(sts[0], sts[1])
+    assert re_search(pattern, _checks.status_message("causal_conv1d_fwd", sts[0]))
+
+
+def test_bad_batch_under_jit_with_donation_keeps_cache(caplog):
+    """Under jit the op cannot raise without losing the donated cache: it writes nothing,
+    returns the cache unchanged and logs the error."""
+    T, N = 2, 4
+    x = jnp.ones((T, D), jnp.float32)
+    cs = jnp.asarray(np.random.default_rng(2).normal(size=(N, W - 1, D)), jnp.float32)
+    before = np.asarray(cs).copy()
+    f = jax.jit(lambda x, cs: gdn_jax.causal_conv1d_update(
+        x, weight=jnp.ones((D, W)), bias=None, conv_state=cs, state_indices=jnp.array([1, 7], jnp.int32)),
+        donate_argnums=(1,))
+    with pytest.warns(RuntimeWarning, match="slot 7"):
+        y, cs2 = f(x, cs)
+        jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(cs2), before)

@@ -1,0 +1,156 @@
+"""FFI plumbing: ISA dispatch controls, target registration, in-place aliasing, impl choice."""
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_jax
+from gdn_jax import ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_py(code, **env):
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_available_isas_well_formed():
+    isas = gdn_jax.available_isas()
+    assert isas[-1] == "generic"
+    assert len(set(isas)) == len(isas)
+    assert gdn_jax.selected_isa() in isas
+    known = {"amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic"}
+    assert set(isas) <= known
+    # The best available ISA is chosen by default (unless the environment forces one).
+    if not os.environ.get("GDN_JAX_ISA"):
+        assert gdn_jax.selected_isa() == isas[0]
+
+
+def test_isas_follow_cpu_features():
+    feats = set(gdn_jax.cpu_features().split())
+    isas = set(gdn_jax.available_isas())
+    assert ("avx2" in isas) == ({"avx2", "fma"} <= feats)
+    assert ("avx512" in isas) == ({"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= feats)
+    assert ("avx512bf16" in isas) == ({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16"} <= feats)
+
+
+def test_use_isa_switches_and_restores():
+    before = gdn_jax.selected_isa()
+    with gdn_jax.use_isa("generic"):
+        assert gdn_jax.selected_isa() == "generic"
+    assert gdn_jax.selected_isa() == before
+
+
+@pytest.mark.parametrize("name,pattern", [("bogus", "unknown ISA 'bogus'"), ("neon", "not built for this architecture")])
+def test_set_isa_rejects_clearly(name, pattern):
+    if name in gdn_jax.available_isas():
+        pytest.skip(f"{name} is available on this machine")
+    before = gdn_jax.selected_isa()
+    with pytest.raises(ValueError, match=pattern):
+        gdn_jax.set_isa(name)
+    assert gdn_jax.selected_isa() == before
+
+
+def test_set_isa_missing_cpu_feature():
+    missing = [i for i in ("avx512bf16", "avx512", "avx2") if i not in gdn_jax.available_isas()]
+    if not missing:
+        pytest.skip("this CPU has every x86 ISA")
+    with pytest.raises(ValueError, match="lacks a feature"):
+        gdn_jax.set_isa(missing[0])
+
+
+def test_env_var_forces_isa():
+    r = _run_py("import gdn_jax; print(gdn_jax.selected_isa())", GDN_JAX_ISA="generic")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "generic"
+
+
+def test_env_var_bad_isa_is_a_clear_error():
+    r = _run_py("import gdn_jax", GDN_JAX_ISA="nope")
+    assert r.returncode != 0
+    assert "GDN_JAX_ISA='nope' cannot be honoured" in r.stderr
+    assert "Available here" in r.stderr
+
+
+def test_targets_registered_with_prefix():
+    from gdn_jax import _ffi
+
+    names = set(_ffi._gdn_ffi.registrations())
+    assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk"}
+
+
+def test_impl_resolution():
+    assert ops.resolve_impl("auto") == "native"  # CPU backend with the extension built
+    assert ops.resolve_impl("reference") == "reference"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ops.resolve_impl("fast")
+
+
+def _conv_case(N=16, L=3, D=40, T=6):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(D, L + 1)), jnp.float32)
+    cs = jnp.asarray(rng.normal(size=(N, L, D)), jnp.float32)
+    qsl = jnp.asarray([0, 2, 6], jnp.int32)
+    idx = jnp.asarray([3, 7], jnp.int32)
+    hs = jnp.asarray([True, False])
+    return x, w, cs, qsl, idx, hs
+
+
+def test_donated_cache_is_updated_in_place():
+    x, w, cs, qsl, idx, hs = _conv_case()
+
+    def step(x, cs):
+        return gdn_jax.causal_conv1d_fwd(x, weight=w, bias=None, conv_state=cs, query_start_loc=qsl,
+                                         state_indices=idx, has_initial_state=hs, impl="native")
+
+    f = jax.jit(step, donate_argnums=(1,))
+    ptr = cs.unsafe_buffer_pointer()
+    y, cs2 = f(x, cs)
+    assert cs.is_deleted()
+    assert cs2.unsafe_buffer_pointer() == ptr
+    hlo = f.lower(x, cs2).compile().as_text()
+    pool = r"f32\[16,3,40\]"
+    copies = [l for l in hlo.splitlines() if re.search(pool + r"[^=]*=[^=]*\bcopy\(", l) or
+              (re.search(r"=\s*" + pool, l) and " copy(" in l)]
+    assert not copies, "\n".join(copies)
+
+
+def test_not_donated_keeps_callers_array():
+    x, w, cs, qsl, idx, hs = _conv_case()
+    before = np.asarray(cs).copy()
+    f = jax.jit(lambda x, cs: gdn_jax.causal_conv1d_fwd(
+        x, weight=w, bias=None, conv_state=cs, query_start_loc=qsl, state_indices=idx,
+        has_initial_state=hs, impl="native"))
+    f(x, cs)
+    np.testing.assert_array_equal(np.asarray(cs), before)
+
+
+def test_results_do_not_depend_on_thread_count(tmp_path):
+    """The same program under one CPU (pool of 1) and two CPUs gives identical bits."""
+    code = r"""
+import sys, numpy as np, jax, jax.numpy as jnp, gdn_jax
+rng = np.random.default_rng(1)
+T, HV = 512, 48
+a = jnp.asarray(rng.normal(size=(T, HV)), jnp.bfloat16); b = jnp.asarray(rng.normal(size=(T, HV)), jnp.bfloat16)
+g, beta = jax.jit(lambda a, b: gdn_jax.fused_gdn_gating(a, b, A_log=jnp.zeros(HV), dt_bias=jnp.zeros(HV)))(a, b)
+np.save(sys.argv[1], np.concatenate([np.asarray(g).ravel(), np.asarray(beta).ravel()]))
+"""
+    script = tmp_path / "run.py"
+    script.write_text(code)
+    outs = []
+    for cpus in (["taskset", "-c", "0"], []):
+        if cpus and subprocess.run(["which", "taskset"], capture_output=True).returncode != 0:
+            pytest.skip("taskset not installed")
+        out = tmp_path / f"out{len(outs)}.npy"
+        r = subprocess.run(cpus + [sys.executable, str(script), str(out)], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(np.load(out))
+    np.testing.assert_array_equal(outs[0], outs[1])
