@@ -356,10 +356,13 @@ def test_spec_accuracy(isa, dtypes, G):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("state", [F32, BF16], ids=["state_f32", "state_bf16"])
-def test_spec_in_place(isa, state):
-    """The start column acc-1 is also written (by token acc-1): read once, then overwritten."""
+@pytest.mark.parametrize("V", [64, 40])
+def test_spec_in_place(isa, state, V):
+    """The start column acc-1 is also written (by token acc-1): read once, then overwritten.
+    V=64: the other slots are written with non-temporal stores; V=40 (not a multiple of 16):
+    plain stores throughout, an f32 state continues from the slot it just wrote."""
     rng = np.random.default_rng(21)
-    H, HV, K, V, N = 1, 2, 32, 64, 12
+    H, HV, K, N = 1, 2, 32, 12
     qsl = np.array([0, 4, 7, 8], np.int32)
     sidx = np.array([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], np.int32)
     acc = np.array([2, 3, 1], np.int32)  # row 0 reads slot 1, row 1 slot 6, row 2 slot 8: all rewritten
@@ -580,10 +583,45 @@ def _has_reference():
     return True
 
 
-@pytest.mark.skipif(not _has_reference(), reason="gdn_jax.reference not merged yet")
-@pytest.mark.parametrize("isa", ISAS)
+NEEDS_REF = pytest.mark.skipif(not _has_reference(), reason="gdn_jax.reference not merged yet")
+# The reference (branch ref) continues a spec row from the bf16-ROUNDED state of the previous
+# token ("as if it had read the slot back"), so its roundings compound along the row; the
+# native kernel carries the f32 state between the tokens of a row (one rounding per stored
+# state, the same as a prefill of those tokens keeps). On a bf16 pool the reference's outputs
+# for tokens t >= 1 are then ~1e-3 off the f64 contract evaluation (budget 1e-5 with f32
+# activations) and its stored states carry more than one rounding. Until the two agree on
+# this, those cases are expected to fail (strict: they report when it changes).
+REF_BF16_SPEC = pytest.mark.xfail(strict=True, reason="reference rounds the carried spec state per token "
+                                  "(compounding); native carries f32 between the tokens of a row")
+SPEC_REF_DTYPES = [pytest.param(d, id=i, marks=(REF_BF16_SPEC,) if d[1] == BF16 else ())
+                   for d, i in zip(DTYPES, DT_IDS)]
+
+
+@NEEDS_REF
+@pytest.mark.parametrize("isa", ISAS[:1])  # the reference is ISA-independent; every ISA meets f64 above
 @pytest.mark.parametrize("dtypes", DTYPES, ids=DT_IDS)
-def test_native_vs_reference(isa, dtypes):
+def test_native_vs_reference_decode(isa, dtypes):
+    act, state = dtypes
+    rng = np.random.default_rng(102)
+    H, HV, K, V, N = 2, 4, 32, 48, 8
+    idx = np.array([3, -1, 0, 5], np.int32)
+    j, n = make_inputs(rng, 4, H, HV, K, V, N, act, state)
+    ob, sb = BUDGET[dtypes]
+    with gdn_jax.use_isa(isa):
+        o_n, st_n = decode(j, idx)
+    o_r, st_r = decode(j, idx, impl="reference")
+    ro, rs = f64_decode(n, idx)
+    for o, st in ((o_n, st_n), (o_r, st_r)):
+        assert rel_rmse(f64(o), ro) <= ob
+        check_state(st, rs, [3, 0, 5], state, sb)
+    assert rel_rmse(f64(o_n), f64(o_r)) <= 2 * ob
+    check_untouched(st_r, np.asarray(j["ssm_state"]), [3, 0, 5])
+
+
+@NEEDS_REF
+@pytest.mark.parametrize("isa", ISAS[:1])  # the reference is ISA-independent; every ISA meets f64 above
+@pytest.mark.parametrize("dtypes", SPEC_REF_DTYPES)
+def test_native_vs_reference_spec(isa, dtypes):
     act, state = dtypes
     rng = np.random.default_rng(101)
     S, num_spec, H, HV, K, V = 4, 2, 2, 4, 32, 48
@@ -593,18 +631,12 @@ def test_native_vs_reference(isa, dtypes):
     ob, sb = BUDGET[dtypes]
     with gdn_jax.use_isa(isa):
         o_n, st_n = spec(j, qsl, sidx, acc)
-    o_r, st_r = spec(j, qsl, sidx, acc, impl="reference")
     ro, rs = f64_spec(n, qsl, sidx, acc)
     w = written_slots(qsl, sidx, acc)
-    for o, st in ((o_n, st_n), (o_r, st_r)):
-        assert rel_rmse(f64(o), ro) <= ob
-        check_state(st, rs, w, state, sb)
-    assert rel_rmse(f64(o_n), f64(o_r)) <= 2 * ob
+    assert rel_rmse(f64(o_n), ro) <= ob
+    check_state(st_n, rs, w, state, sb)
+    o_r, st_r = spec(j, qsl, sidx, acc, impl="reference")
     check_untouched(st_r, np.asarray(j["ssm_state"]), w)
-    idx = np.array([3, -1, 0, 5], np.int32)
-    jd, _ = make_inputs(rng, 4, H, HV, K, V, N, act, state)
-    with gdn_jax.use_isa(isa):
-        o_n, st_n = decode(jd, idx)
-    o_r, st_r = decode(jd, idx, impl="reference")
+    assert rel_rmse(f64(o_r), ro) <= ob
+    check_state(st_r, rs, w, state, sb)
     assert rel_rmse(f64(o_n), f64(o_r)) <= 2 * ob
-    assert rel_rmse(f64(st_n)[[3, 0, 5]], f64(st_r)[[3, 0, 5]]) <= 2 * sb

@@ -20,6 +20,14 @@
 // state is rounded once per token and the roundings do not compound.
 // See ffi/README.md, "Recurrent decode / spec".
 
+// The hot loops are flattened so that every vector primitive (including the bf16 load /
+// store conversions) is inlined: GCC otherwise leaves some as calls with VF passed on the
+// stack, which made the bf16-state pass 10x slower.
+#ifndef GDN_REC_HOT
+#define GDN_REC_HOT __attribute__((flatten))
+#define GDN_REC_INLINE inline __attribute__((always_inline))
+#endif
+
 constexpr int64_t kRecMaxDim = 256;     // K, V limit (the handler refuses larger)
 constexpr int kRecTokGroup = 8;         // tokens whose q̂/k̂/gates are prepared at once
 constexpr int kRecBlockVF = 2;          // VF per full column block
@@ -28,12 +36,12 @@ constexpr int kRecBlock = kRecBlockVF * kLanes;  // 32 columns
 inline int64_t rec_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 template <bool kFull, class T>
-inline VF rec_ld(const T* p, int n) {
+GDN_REC_INLINE VF rec_ld(const T* p, int n) {
   if (kFull) return vload(p);
   return vload_n(p, n);
 }
 template <bool kFull, class T>
-inline void rec_st(T* p, VF x, int n) {
+GDN_REC_INLINE void rec_st(T* p, VF x, int n) {
   if (kFull) vstore(p, x);
   else vstore_n(p, x, n);
 }
@@ -46,13 +54,14 @@ struct RecGroup {
   const A* v[kRecTokGroup];            // v row of the token for this head (column 0)
   A* o[kRecTokGroup];                  // o row of the token for this head (column 0)
   ST* dst[kRecTokGroup];               // slot head base the state after the token goes to
+  bool nt[kRecTokGroup];               // store that slot with non-temporal stores
   alignas(64) float qh[kRecTokGroup][kRecMaxDim];  // q̂ (normalised, scaled)
   alignas(64) float kh[kRecTokGroup][kRecMaxDim];  // k̂
 };
 
 // kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
 template <int NV, bool kFull, class Src>
-inline void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv) {
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv) {
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
   int64_t k = 0;
@@ -73,13 +82,14 @@ inline void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int nco
 }
 
 // One row k of a token's fused pass (see rec_pass); ao / an: the accumulators of this k.
-template <int NV, bool kFull, bool kNext, bool kLoc, class Src, class ST>
-inline void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* d, float kk, float qk, float kn, int ncol,
-                    VF* ao, VF* an) {
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
+GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* d, float kk, float qk, float kn,
+                            int ncol, VF* ao, VF* an) {
   const VF vk = vset1(kk), vq = vset1(qk), vn = vset1(kn);
   for (int c = 0; c < NV; ++c) {
     const VF sn = vfma(vk, d[c], rec_ld<kFull>(s + c * kLanes, ncol) * va);
-    rec_st<kFull>(dst + c * kLanes, sn, ncol);
+    if (kNT) vstream(dst + c * kLanes, sn);
+    else rec_st<kFull>(dst + c * kLanes, sn, ncol);
     if (kLoc) vstore(loc + c * kLanes, sn);
     ao[c] = vfma(sn, vq, ao[c]);
     if (kNext) an[c] = vfma(sn, vn, an[c]);
@@ -87,76 +97,92 @@ inline void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* d, float
 }
 
 // One token's fused pass over the K rows of a column block:
-//   S' = alpha S + k̂ deltaᵀ, stored to dst (state dtype) and, if kLoc, to loc (f32);
-//   o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next. Even and odd k accumulate separately.
-template <int NV, bool kFull, bool kNext, bool kLoc, class Src, class ST>
-inline void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
-                     const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o, VF* kvn) {
+//   S' = alpha S + k̂ deltaᵀ, stored to dst (state dtype; kNT: non-temporal) and, if kLoc,
+//   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
+//   Even and odd k accumulate separately.
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
+GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
+                          const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
+                          VF* kvn) {
   VF o0[NV], o1[NV], n0[NV], n1[NV];
   for (int c = 0; c < NV; ++c) o0[c] = o1[c] = n0[c] = n1[c] = vzero();
   const VF va = vset1(alpha);
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    rec_row<NV, kFull, kNext, kLoc>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
-                                    kNext ? khn[k] : 0.f, ncol, o0, n0);
-    rec_row<NV, kFull, kNext, kLoc>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va, d,
-                                    kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, o1, n1);
+    rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
+                                         kNext ? khn[k] : 0.f, ncol, o0, n0);
+    rec_row<NV, kFull, kNext, kLoc, kNT>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
+                                         d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, o1, n1);
   }
   if (k < K)
-    rec_row<NV, kFull, kNext, kLoc>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
-                                    kNext ? khn[k] : 0.f, ncol, o0, n0);
+    rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
+                                         kNext ? khn[k] : 0.f, ncol, o0, n0);
   for (int c = 0; c < NV; ++c) {
     o[c] = o0[c] + o1[c];
     if (kNext) kvn[c] = n0[c] + n1[c];
   }
 }
 
-template <int NV, bool kFull, bool kLoc, class Src, class ST>
-inline void rec_pass_dispatch(bool next, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc,
-                              int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
-                              const float* khn, int ncol, VF* o, VF* kvn) {
-  if (next) rec_pass<NV, kFull, true, kLoc>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn);
-  else rec_pass<NV, kFull, false, kLoc>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn);
+// Picks the rec_pass instantiation; non-temporal stores only on full (aligned) pieces.
+template <int NV, bool kFull, class Src, class ST>
+inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
+                         float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
+                         const float* khn, int ncol, VF* o, VF* kvn) {
+#define GDN_REC_PASS(kNext, kLoc, kNT) \
+  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn)
+  if (kFull && nt) {
+    if (next) {
+      if (use_loc) GDN_REC_PASS(true, true, kFull);
+      else GDN_REC_PASS(true, false, kFull);
+    } else {
+      if (use_loc) GDN_REC_PASS(false, true, kFull);
+      else GDN_REC_PASS(false, false, kFull);
+    }
+  } else {
+    if (next) {
+      if (use_loc) GDN_REC_PASS(true, true, false);
+      else GDN_REC_PASS(true, false, false);
+    } else {
+      if (use_loc) GDN_REC_PASS(false, true, false);
+      else GDN_REC_PASS(false, false, false);
+    }
+  }
+#undef GDN_REC_PASS
 }
 
 // The tokens of one group on one column piece (columns [col, col + ncol) of the head).
 // src/s_ld: the state before the group's first token, pointing at column col (the start
-// slot, or the continuation of the previous group). keep: the row has tokens after this
-// group, so the state after the group's last token must stay readable in f32.
-// Continuation between tokens: an f32 pool re-reads the slot it just wrote (exact); a bf16
-// pool reads loc, the f32 copy of the piece (row stride kRecBlock).
+// slot, or loc after an earlier group). keep: the row has tokens after this group; the
+// state after the group's last token is then left in loc.
+// Between tokens the state continues in f32: from loc (bf16 pool, or a slot written with
+// non-temporal stores, which must not be read back), else from the f32 slot just written.
 template <int NV, bool kFull, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
                             int64_t col, int ncol, bool keep, float* loc) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
   VF kv[NV], o[NV], d[NV];
   rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv);
+  bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
     for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<kFull>(g.v[t] + col + c * kLanes, ncol) - va * kv[c]);
     const bool next = t + 1 < g.n;
-    const bool use_loc = !kF32 && (next || keep);
+    const bool nt = kFull && g.nt[t];
+    const bool use_loc = (next && (!kF32 || nt)) || (!next && keep);
     const float* khn = next ? g.kh[t + 1] : nullptr;
     ST* dst = g.dst[t] + col;
     if (t == 0) {
-      if (use_loc)
-        rec_pass_dispatch<NV, kFull, true>(next, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
-                                           ncol, o, kv);
-      else
-        rec_pass_dispatch<NV, kFull, false>(next, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
-                                            ncol, o, kv);
+      rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
+                              ncol, o, kv);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
-      const float* cont = kF32 ? reinterpret_cast<const float*>(g.dst[t - 1] + col) : loc;
-      const int64_t cont_ld = kF32 ? V : kRecBlock;
-      if (use_loc)
-        rec_pass_dispatch<NV, kFull, true>(next, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                                           khn, ncol, o, kv);
-      else
-        rec_pass_dispatch<NV, kFull, false>(next, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                                            khn, ncol, o, kv);
+      const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
+      const int64_t cont_ld = prev_loc ? kRecBlock : V;
+      rec_pass_any<NV, kFull>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
+                              khn, ncol, o, kv);
     }
     for (int c = 0; c < NV; ++c) rec_st<kFull>(g.o[t] + col + c * kLanes, o[c], ncol);
+    prev_loc = use_loc;
   }
 }
 
@@ -226,6 +252,9 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
   if (nsplit > nblk) nsplit = nblk;
   if (nsplit < 1) nsplit = 1;
   const int64_t items = S * HV * nsplit;
+  // A slot other than the start slot is written without being read: non-temporal stores
+  // save the read-for-ownership of its lines. Full pieces are then aligned to 16 lanes.
+  const bool stream = reinterpret_cast<uintptr_t>(p.ssm_state) % 64 == 0 && V % kLanes == 0;
 
   par(items, 1, [&](int64_t it0, int64_t it1) {
     RecGroup<A, ST> g;
@@ -260,6 +289,7 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
           g.v[u] = v + (j * HV + h) * V;
           g.o[u] = o + (j * HV + h) * V;
           g.dst[u] = pool + (int64_t(row[t]) * HV + h) * head_elems;
+          g.nt[u] = stream && row[t] != row[acc - 1];
           rec_prep(q + (j * H + kh_idx) * K, K, p.scale, p.l2norm, p.eps, g.qh[u]);
           rec_prep(k + (j * H + kh_idx) * K, K, 1.f, p.l2norm, p.eps, g.kh[u]);
         }
@@ -269,26 +299,16 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
 
       for (int64_t col = c0; col < c1; col += kRecBlock) {
         const int64_t w = rec_min(kRecBlock, c1 - col);
-        const float* cont = nullptr;  // state after the previous group, at column col
-        int64_t cont_ld = 0;
         for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
           const int n = int(rec_min(kRecTokGroup, nq - t0));
           if (!one_group) prepare(t0, n);
-          const bool keep = t0 + n < nq;
+          const bool keep = t0 + n < nq;  // then the group leaves its state in loc
           if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc);
-          else rec_block(g, cont, cont_ld, K, V, col, w, keep, loc);
-          if (keep) {
-            if (std::is_same<ST, float>::value) {
-              cont = reinterpret_cast<const float*>(g.dst[n - 1] + col);
-              cont_ld = V;
-            } else {
-              cont = loc;
-              cont_ld = kRecBlock;
-            }
-          }
+          else rec_block(g, static_cast<const float*>(loc), kRecBlock, K, V, col, w, keep, loc);
         }
       }
     }
+    if (stream) vstream_fence();
   });
 }
 
