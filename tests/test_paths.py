@@ -641,3 +641,131 @@ def test_functional_forms():
     assert _bits_equal(c3.ssm_state, pre[1]) and _bits_equal(c3.conv_state, pre[0])
     with pytest.raises(ValueError, match="kind must be one of"):
         attn.apply("verify", x, b, a, params, c2, hb)
+
+
+# --- soak: a random serving schedule against the oracle at every step ---------------------------
+
+
+class _Live:
+    """A request in the simulated engine."""
+
+    def __init__(self, rid, slots, prompt, gen):
+        self.id, self.slots, self.prompt_left, self.left = rid, slots, prompt, gen
+        self.prefilled, self.mode, self.acc = False, "prefill", 1
+
+
+def _expected_commit(cfg, pre, rows):
+    conv, ssm = pre[0].copy(), pre[1].copy()
+    W1 = cfg.W - 1
+    for sl, a_ in rows:
+        ssm[sl[0]] = pre[1][sl[a_ - 1]]
+        if cfg.conv_state_layout == "SD":
+            conv[sl[0], :W1] = pre[0][sl[0], a_ - 1:a_ - 1 + W1]
+        else:
+            conv[sl[0], :, :W1] = pre[0][sl[0], :, a_ - 1:a_ - 1 + W1]
+    return conv, ssm
+
+
+def run_soak(cfg, impl, steps, seed, t=T, s=S, n=N):
+    """A continuous-batching schedule: arrivals, chunked prefills, decodes, spec steps with
+    random acceptance, spec <-> plain switches through commit_accepted, finishes and aborts,
+    slot reuse over stale contents, bucket padding, and now and then a bad batch. Every step
+    is checked against the float64 oracle (and every commit bit for bit)."""
+    rng = np.random.default_rng(seed)
+    C = cfg.spec_cols
+    eng = Engine(cfg, impl, cache=garbage_cache(cfg, rng, n=n), n=n, t=t, s=s)
+    free, active, next_id = list(range(n)), [], 0
+    seen = dict(prefill=0, decode=0, spec=0, commit=0, bad=0, finished=0, reused=0)
+    used_before = set()
+    for step in range(steps):
+        while len(active) < s + 2 and len(free) >= C and rng.random() < 0.4:
+            rng.shuffle(free)
+            slots = tuple(int(free.pop()) for _ in range(C))
+            seen["reused"] += slots[0] in used_before
+            used_before.update(slots)
+            active.append(_Live(next_id, slots, int(rng.integers(1, 2 * t // 3)), int(rng.integers(1, 20))))
+            next_id += 1
+        commits = []
+        for r in active:
+            if r.mode == "spec" and rng.random() < 0.1 and len(commits) < s:
+                commits.append((r.slots, r.acc))
+                r.mode, r.acc = "plain", 1
+            elif r.mode == "plain" and cfg.num_spec and rng.random() < 0.1:
+                r.mode, r.acc = "spec", 1
+        if commits:
+            pre = cache_bits(eng.cache)
+            eng.commit(commits)
+            exp = _expected_commit(cfg, pre, commits)
+            assert _bits_equal(eng.cache.conv_state, exp[0]) and _bits_equal(eng.cache.ssm_state, exp[1]), step
+            seen["commit"] += 1
+        reqs, owners, budget_ = [], [], t
+        for i in rng.permutation(len(active)):
+            r = active[i]
+            if len(reqs) == s or budget_ == 0:
+                break
+            if rng.random() < 0.1:
+                continue   # not scheduled this step
+            if r.mode == "prefill":
+                k = int(min(r.prompt_left, rng.integers(1, budget_ + 1)))
+                reqs.append(Request.prefill(r.slots[0], k, has_initial_state=r.prefilled, id=r.id))
+            elif r.mode == "spec":
+                q = int(rng.integers(1, C + 1))
+                if q > budget_:
+                    continue
+                reqs.append(Request.spec(r.slots, q, num_accepted=r.acc, id=r.id))
+            else:
+                reqs.append(Request.decode(r.slots[0], id=r.id))
+            budget_ -= reqs[-1].num_tokens
+            owners.append(r)
+        inputs = _inputs(cfg, rng, reqs)
+        if step % 29 == 28 and len(reqs) >= 2:
+            hb = eng.build(reqs)
+            meta = hb.metadata
+            meta.state_indices[1, 0] = meta.state_indices[0, 0]   # one slot named twice
+            pre = cache_bits(eng.cache)
+            x, b, a = (jnp.asarray(hb.pack([p[j] for p in inputs])) for j in range(3))
+            with pytest.raises(gdn_jax.InvalidBatchError, match="is also named by row 0"):
+                try:
+                    eng.attn.gdn_attention_core(x, b, a, eng.params, eng.cache, meta)
+                except gdn_jax.InvalidBatchError as e:
+                    eng.cache = e.caches
+                    raise
+            assert _bits_equal(eng.cache.conv_state, pre[0]) and _bits_equal(eng.cache.ssm_state, pre[1])
+            seen["bad"] += 1
+        eng.step(reqs, inputs, check=True)
+        for r, rq in zip(owners, reqs):
+            seen[rq.kind] += 1
+            if rq.kind == "prefill":
+                r.prompt_left -= rq.num_tokens
+                r.prefilled = True
+                if r.prompt_left == 0:
+                    r.mode = "spec" if cfg.num_spec and rng.random() < 0.6 else "plain"
+                    r.acc = 1
+            elif rq.kind == "spec":
+                r.acc = int(rng.integers(1, rq.num_tokens + 1))
+                r.left -= r.acc
+            else:
+                r.left -= 1
+        for r in list(active):
+            if (r.mode != "prefill" and r.left <= 0) or rng.random() < 0.005:
+                active.remove(r)
+                free.extend(r.slots)
+                seen["finished"] += 1
+    return seen
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS)
+def test_soak_random_schedule(impl_isa):
+    with impl_context(impl_isa) as impl:
+        seen = run_soak(CFG, impl, steps=300, seed=20)
+    assert min(seen.values()) > 0, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl_isa", IMPLS)
+@pytest.mark.parametrize("cfg", [CFG, CFG0, CFG_X, CFG_BS], ids=["f32-spec3", "f32-nospec", "bf16-gqa-DS-bias",
+                                                                 "bf16state-W3"])
+def test_soak_random_schedule_long(impl_isa, cfg):
+    with impl_context(impl_isa) as impl:
+        seen = run_soak(cfg, impl, steps=1500, seed=21)
+    assert seen["prefill"] and seen["decode"] and seen["finished"] and seen["reused"], seen
