@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     worst = 0.0
     kinds = dict(prefill=0, decode=0, spec=0)
 
+    tty = sys.stdout.isatty()
     for step in range(args.steps):
         # arrivals: a request takes num_spec + 1 slots (spec rows index-scatter their states)
         while len(live) < args.rows + 2 and len(free) >= C and rng.random() < 0.5:
@@ -222,11 +223,15 @@ def main(argv=None) -> int:
                 free.extend(r.slots)
                 finished += 1
                 generated += len(r.generated)
-        print(f"\rstep {step + 1:3d}/{args.steps}  rows: {sum(q.kind == 'prefill' for q in reqs)} prefill "
-              f"{sum(q.kind == 'decode' for q in reqs)} decode {sum(q.kind == 'spec' for q in reqs)} spec  "
-              f"tokens {hb.num_tokens:3d}/{args.tokens}  live {len(live):2d}  finished {finished:3d}",
-              end="", flush=True)
-    print()
+        line = (f"step {step + 1:3d}/{args.steps}  rows: {sum(q.kind == 'prefill' for q in reqs)} prefill "
+                f"{sum(q.kind == 'decode' for q in reqs)} decode {sum(q.kind == 'spec' for q in reqs)} spec  "
+                f"tokens {hb.num_tokens:3d}/{args.tokens}  live {len(live):2d}  finished {finished:3d}")
+        if tty:
+            print("\r" + line, end="", flush=True)
+        elif step % 10 == 9 or step == args.steps - 1:
+            print(line, flush=True)
+    if tty:
+        print()
 
     counts = {impl: m.attn.compiled_count()["gdn_attention_core"] for impl, m in models.items()}
     print(f"\nrows served: {kinds}; requests finished: {finished}; one executable per impl: {counts}")
