@@ -178,9 +178,9 @@ def _neutralise(batch: BatchMetadata, ok) -> BatchMetadata:
 
 
 def _as_bits(pool):
-    # XLA:CPU turns a scatter into a bf16 pool into a convert of the whole pool to f32 and
-    # back; moving the bits as uint16 is exact and halves that cost (it still costs one
-    # pass over the pool each way: see the README of paths / the report).
+    # XLA:CPU turns a scatter into a bf16 array into a convert of the whole array to f32 and
+    # back; moving the bits as uint16 is exact and halves that cost, but it still costs one
+    # pass over the pool each way (a native copy-slots op would avoid it; see the report).
     return lax.bitcast_convert_type(pool, jnp.uint16) if pool.dtype == jnp.bfloat16 else pool
 
 
@@ -188,8 +188,17 @@ def _from_bits(pool, dtype):
     return lax.bitcast_convert_type(pool, dtype) if pool.dtype != dtype else pool
 
 
-def _commit(config: GDNConfig, cache, spec_state_indices, num_accepted_tokens):
-    """Traceable commit_accepted: (cache, status int32[4])."""
+def _commit(config: GDNConfig, impl: str, cache, spec_state_indices, num_accepted_tokens):
+    """Traceable commit_accepted: (cache, status int32[4]).
+
+    SSM: ``ssm[col0] = ssm[col acc-1]``, a gather + scatter that XLA does in place (f32 pools).
+    Conv: the window rows ``[acc-1, acc-1+W-1)`` of the rolling buffer move to rows
+    ``[0, W-1)`` through the conv update op itself, run as a spec step of one token with
+    ``num_accepted = acc-1`` whose input is the window's last row: by the op's contract it
+    rewrites rows ``[0, W-1)`` as ``rows[acc-1, acc-1+W-2) ++ x`` = the window, exactly (the
+    state holds raw inputs; the conv output is discarded). The pool stays in the kernel, so a
+    bf16 pool is updated in place (a jnp scatter into it would convert the whole pool).
+    """
     if not isinstance(cache, GDNCache):
         raise TypeError(f"cache must be a GDNCache, got {type(cache).__name__}")
     cache.validate(config)
@@ -208,31 +217,25 @@ def _commit(config: GDNConfig, cache, spec_state_indices, num_accepted_tokens):
                          has_initial_state=jnp.ones((S,), bool), num_accepted_tokens=acc,
                          num_tokens=jnp.zeros((), jnp.int32))
     status = batch_status(meta, num_tokens=0, num_slots=N, kinds=(ROW_PAD, ROW_SPEC))
+    move = live & (acc > 1) & (status[0] == 0)     # acc == 1: already in place
+    a1 = jnp.clip(acc - 1, 0, C - 1)
 
-    def run(c):
-        move = live & (acc > 1) & (status[0] == 0)
-        a1 = jnp.clip(acc - 1, 0, C - 1)
-        src = jnp.take_along_axis(spec_state_indices, a1[:, None], axis=1)[:, 0]
-        src_r = jnp.where(move, src, 0)
-        dst = jnp.where(move, col0, N)  # N: dropped by the scatter
-        ssm = _as_bits(c.ssm_state)
-        ssm = ssm.at[dst].set(ssm[src_r], mode="drop")
-        W1 = config.W - 1
-        trow = jnp.arange(W1, dtype=jnp.int32)[None, :]
-        src_rows = a1[:, None] + trow                     # [S, W-1] rows [acc-1, acc-1+W-1)
-        slot_c = jnp.where(move, col0, 0)[:, None]
-        dst_c = dst[:, None]
-        conv = _as_bits(c.conv_state)
-        if config.conv_state_layout == "SD":
-            win = conv[slot_c, src_rows]                    # [S, W-1, D]
-            conv = conv.at[dst_c, trow].set(win, mode="drop")
-        else:
-            win = conv[slot_c, :, src_rows]                 # [S, W-1, D]
-            conv = conv.at[dst_c, :, trow].set(win, mode="drop")
-        return GDNCache(conv_state=_from_bits(conv, c.conv_state.dtype),
-                        ssm_state=_from_bits(ssm, c.ssm_state.dtype))
+    # SSM state of the last accepted token -> column 0.
+    src = jnp.take_along_axis(spec_state_indices, a1[:, None], axis=1)[:, 0]
+    ssm = _as_bits(cache.ssm_state)
+    ssm = ssm.at[jnp.where(move, col0, N)].set(ssm[jnp.where(move, src, 0)], mode="drop")  # N: dropped
+    ssm = _from_bits(ssm, cache.ssm_state.dtype)
 
-    return run(cache), status
+    # Conv window: one-token update with acc-1 whose token is the window's last row.
+    slot = jnp.where(move, col0, 0)
+    last = jnp.clip(acc + config.W - 3, 0, config.L - 1)           # row acc-1 + W-2
+    conv = cache.conv_state
+    x = conv[slot, last] if config.conv_state_layout == "SD" else conv[slot, :, last]    # [S, D]
+    _, conv, st = ops.causal_conv1d_update_with_status(
+        x, weight=jnp.zeros((config.D, config.W), jnp.float32), bias=None, conv_state=conv,
+        state_indices=jnp.where(move, col0, PAD_SLOT_ID), num_accepted_tokens=jnp.where(move, acc - 1, 1),
+        activation=None, conv_state_layout=config.conv_state_layout, impl=impl)
+    return GDNCache(conv_state=conv, ssm_state=ssm), jnp.where(status[0] != 0, status, st)
 
 
 def check_status(op: str, status, caches=None) -> None:
@@ -295,7 +298,7 @@ class GDNAttention:
         cfg = config
 
         def commit_accepted_with_status(cache, spec_state_indices, num_accepted_tokens):
-            return _commit(cfg, cache, spec_state_indices, num_accepted_tokens)
+            return _commit(cfg, impl, cache, spec_state_indices, num_accepted_tokens)
 
         self.commit_accepted_with_status = jax.jit(commit_accepted_with_status, donate_argnames="cache")
 
@@ -349,7 +352,8 @@ class GDNAttention:
         num_accepted_tokens[i]``: SSM slot ``spec_state_indices[i, 0]`` := slot
         ``spec_state_indices[i, acc-1]``, and rows ``[0, W-1)`` of its conv buffer := rows
         ``[acc-1, acc-1+W-1)``. Afterwards the request continues with ``num_accepted = 1``
-        (plain decode, or spec). Index-scatter, in place (the cache is donated).
+        (plain decode, or spec). In place (the cache is donated): an index-scatter of the SSM
+        states and the conv update op for the windows (bf16 SSM pools cost one pass; see _as_bits).
 
         Args:
           cache: GDNCache (donated). spec_state_indices: [S, num_spec + 1] int32 (the
@@ -397,6 +401,6 @@ def gdn_attention_core(mixed_qkv, b, a, params, cache, batch, *, config: GDNConf
     return _attention(config, impl).gdn_attention_core(mixed_qkv, b, a, params, cache, batch)
 
 
-def commit_accepted(cache, spec_state_indices, num_accepted_tokens, *, config: GDNConfig):
+def commit_accepted(cache, spec_state_indices, num_accepted_tokens, *, config: GDNConfig, impl: str = "auto"):
     """Functional form of :meth:`GDNAttention.commit_accepted`."""
-    return _attention(config, "reference").commit_accepted(cache, spec_state_indices, num_accepted_tokens)
+    return _attention(config, impl).commit_accepted(cache, spec_state_indices, num_accepted_tokens)
