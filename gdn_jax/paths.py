@@ -32,12 +32,13 @@ then). A bad batch (data) is caught by :func:`gdn_jax.batch.batch_status` inside
 *before any op runs*: the step then writes nothing, returns zeros and the cache unchanged
 (the same buffers), and a nonzero status. ``*_with_status`` return that status; the plain
 host wrappers check it and raise :class:`gdn_jax.InvalidBatchError` whose ``caches`` holds
-the returned, unchanged cache, so a caller who donated its cache keeps serving.
+the returned, unchanged cache, so a caller who donated its cache keeps serving. The step's
+validation covers every check the kernels make (and more: row kinds, one slot across all
+ops), so the ops' own statuses can only fire if the two disagree; they are reported too.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp

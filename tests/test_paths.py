@@ -6,7 +6,6 @@ Every test runs on ``impl="reference"`` and on the native kernels of every avail
 """
 from __future__ import annotations
 
-import os
 import re
 
 import jax
@@ -15,8 +14,7 @@ import numpy as np
 import pytest
 
 import gdn_jax
-from gdn_jax.batch import (PAD_SLOT_ID, ROW_DECODE, ROW_PAD, ROW_PREFILL, ROW_SPEC, BatchMetadata, Request,
-                           build_batch)
+from gdn_jax.batch import PAD_SLOT_ID, ROW_PREFILL, BatchMetadata, Request, build_batch
 from gdn_jax.config import GDNCache, GDNConfig, GDNParams
 from gdn_jax.paths import STEP_KINDS, GDNAttention
 from gdn_jax import paths
