@@ -34,8 +34,9 @@ GDN_VF_BINOP(*)
 GDN_VF_BINOP(/)
 #undef GDN_VF_BINOP
 
-// a * b + c
-inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+// a * b + c. Not std::fma: on a baseline target without FMA hardware that is a slow library
+// call; the compiler may still contract this where the target has FMA.
+inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
 inline VF vmax(VF a, VF b) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
 inline VF vexp(VF a) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(a.v[i]); return r; }
 // Sum of lanes in a fixed pairwise order (the same on every back end).
