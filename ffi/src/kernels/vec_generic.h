@@ -49,7 +49,7 @@ inline float vsum(VF a) {
 }
 
 // Non-temporal store of 16 lanes, for data not read again soon (bypasses the caches on the
-// SIMD back ends; p aligned to 16 elements of its type: 64 B for f32, 32 B for bf16). Same
+// x86 back ends; p aligned to 16 elements of its type: 64 B for f32, 32 B for bf16). Same
 // values as vstore. vstream_fence() orders them before later stores (call it before other
 // threads may read the data). Here: plain stores, nothing to fence.
 inline void vstream(float* p, VF x) { vstore(p, x); }
