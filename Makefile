@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 BUILD  ?= build/dev
 JOBS   ?= 2
 
-.PHONY: demo test build venv bench bench-quick clean
+.PHONY: demo test test-core build venv bench bench-quick clean
 
 venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: pyproject.toml
@@ -31,7 +31,12 @@ demo: build
 	PYTHONPATH=. $(PY) examples/serving_loop.py
 
 test: build
+	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
 	PYTHONPATH=. $(PY) -m pytest -q tests
+
+# The C++ kernel-core tests alone (native + aarch64 under qemu).
+test-core: venv
+	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
 
 bench: build
 	PYTHONPATH=. $(PY) benchmarks/run.py

@@ -22,6 +22,10 @@ namespace avx2 { void fill_table(KernelTable&); }
 namespace avx512 { void fill_table(KernelTable&); }
 namespace avx512bf16 { void fill_table(KernelTable&); }
 #endif
+#if GDN_ARM
+namespace neon { void fill_table(KernelTable&); }
+namespace neon_bf16 { void fill_table(KernelTable&); }
+#endif
 
 namespace {
 
@@ -94,6 +98,10 @@ const Entry kEntries[] = {
     {"avx512bf16", avx512bf16::fill_table, [] { return features().avx512bf16; }},
     {"avx512", avx512::fill_table, [] { return features().avx512; }},
     {"avx2", avx2::fill_table, [] { return features().avx2; }},
+#endif
+#if GDN_ARM
+    {"neon_bf16", neon_bf16::fill_table, [] { return features().neon_bf16; }},
+    {"neon", neon::fill_table, [] { return features().neon; }},
 #endif
     {"generic", generic::fill_table, [] { return true; }},
 };

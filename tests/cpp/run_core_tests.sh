@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The C++ kernel-core tests: natively (every ISA this CPU has), then cross-compiled for
+# aarch64 and run under qemu-aarch64 with a BF16 CPU model (neon_bf16, neon, generic) and
+# with one lacking BF16 (neon, generic). Installs the cross compiler and qemu-user if missing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CMAKE=${CMAKE:-cmake}
+"$CMAKE" -S . -B build/core -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON >/dev/null
+"$CMAKE" --build build/core -j 2 >/dev/null
+echo "== native ($(uname -m))"
+./build/core/gdn_core_tests | tail -n 1
+
+if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then echo "== aarch64: skipped (GDN_SKIP_ARM=1)"; exit 0; fi
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+  echo "== installing g++-aarch64-linux-gnu and qemu-user"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+      g++-aarch64-linux-gnu qemu-user >/dev/null
+fi
+"$CMAKE" -S . -B build/core-aarch64 -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+    -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON >/dev/null
+"$CMAKE" --build build/core-aarch64 -j 2 >/dev/null
+for cpu in max neoverse-n1; do
+  echo "== aarch64 under qemu-aarch64 -cpu $cpu"
+  out=$(qemu-aarch64 -cpu "$cpu" -L /usr/aarch64-linux-gnu ./build/core-aarch64/gdn_core_tests)
+  echo "$out" | head -n 1
+  echo "$out" | grep -E "FAIL" || true
+  echo "$out" | tail -n 1
+  echo "$out" | tail -n 1 | grep -q ", 0 failed" || { echo "aarch64 ($cpu) core tests failed"; exit 1; }
+done
