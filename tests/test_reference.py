@@ -90,10 +90,6 @@ j_spec = jax.jit(R.fused_sigmoid_gating_delta_rule_update_spec,
 j_scan = jax.jit(R.gdn_token_scan, static_argnames=_RECUR_STATIC)
 
 
-def _slow_enabled(request):
-    return bool(os.environ.get("GDN_JAX_SLOW")) or "slow" in (request.config.getoption("-m") or "")
-
-
 # ---------------------------------------------------------------------------------------
 # input helpers: NumPy float64 values that are exact in the target dtype
 # ---------------------------------------------------------------------------------------
@@ -460,9 +456,7 @@ def test_prefill_random_layout_sampled():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(1, 13))
-def test_prefill_random_layout_exhaustive(request, seed):
-    if not _slow_enabled(request):
-        pytest.skip("exhaustive: run with GDN_JAX_SLOW=1 or -m slow (sampled by default)")
+def test_prefill_random_layout_exhaustive(seed):
     _check_random_prefill(seed)
 
 
