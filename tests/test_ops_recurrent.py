@@ -584,17 +584,9 @@ def _has_reference():
 
 
 NEEDS_REF = pytest.mark.skipif(not _has_reference(), reason="gdn_jax.reference not merged yet")
-# The reference (branch ref) continues a spec row from the bf16-ROUNDED state of the previous
-# token ("as if it had read the slot back"), so its roundings compound along the row; the
-# native kernel carries the f32 state between the tokens of a row (one rounding per stored
-# state, the same as a prefill of those tokens keeps). On a bf16 pool the reference's outputs
-# for tokens t >= 1 are then ~1e-3 off the f64 contract evaluation (budget 1e-5 with f32
-# activations) and its stored states carry more than one rounding. Until the two agree on
-# this, those cases are expected to fail (strict: they report when it changes).
-REF_BF16_SPEC = pytest.mark.xfail(strict=True, reason="reference rounds the carried spec state per token "
-                                  "(compounding); native carries f32 between the tokens of a row")
-SPEC_REF_DTYPES = [pytest.param(d, id=i, marks=(REF_BF16_SPEC,) if d[1] == BF16 else ())
-                   for d, i in zip(DTYPES, DT_IDS)]
+# The reference and the kernel both carry f32 between the tokens of a spec row (one bf16
+# rounding per stored state on a bf16 pool).
+SPEC_REF_DTYPES = [pytest.param(d, id=i) for d, i in zip(DTYPES, DT_IDS)]
 
 
 @NEEDS_REF
