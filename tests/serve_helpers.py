@@ -225,7 +225,3 @@ def budget(cfg, what: str) -> float:
 def rel_rmse(out, ref) -> float:
     return F.rel_rmse(np.asarray(out, np.float64), np.asarray(ref, np.float64))
 
-
-def slow_enabled(request) -> bool:
-    """Slow tests run with GDN_JAX_SLOW=1 or -m slow (as in test_reference.py)."""
-    return bool(os.environ.get("GDN_JAX_SLOW")) or "slow" in (request.config.getoption("-m") or "")
