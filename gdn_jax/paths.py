@@ -43,7 +43,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _checks
 from . import ops
@@ -178,21 +177,10 @@ def _neutralise(batch: BatchMetadata, ok) -> BatchMetadata:
         num_tokens=jnp.where(ok, batch.num_tokens, 0))
 
 
-def _as_bits(pool):
-    # XLA:CPU turns a scatter into a bf16 array into a convert of the whole array to f32 and
-    # back; moving the bits as uint16 is exact and halves that cost, but it still costs one
-    # pass over the pool each way (a native copy-slots op would avoid it; see the report).
-    return lax.bitcast_convert_type(pool, jnp.uint16) if pool.dtype == jnp.bfloat16 else pool
-
-
-def _from_bits(pool, dtype):
-    return lax.bitcast_convert_type(pool, dtype) if pool.dtype != dtype else pool
-
-
 def _commit(config: GDNConfig, impl: str, cache, spec_state_indices, num_accepted_tokens):
     """Traceable commit_accepted: (cache, status int32[4]).
 
-    SSM: ``ssm[col0] = ssm[col acc-1]``, a gather + scatter that XLA does in place (f32 pools).
+    SSM: ``ssm[col0] = ssm[col acc-1]`` through ops.copy_slots (in place for every pool dtype).
     Conv: the window rows ``[acc-1, acc-1+W-1)`` of the rolling buffer move to rows
     ``[0, W-1)`` through the conv update op itself, run as a spec step of one token with
     ``num_accepted = acc-1`` whose input is the window's last row: by the op's contract it
@@ -221,11 +209,10 @@ def _commit(config: GDNConfig, impl: str, cache, spec_state_indices, num_accepte
     move = live & (acc > 1) & (status[0] == 0)     # acc == 1: already in place
     a1 = jnp.clip(acc - 1, 0, C - 1)
 
-    # SSM state of the last accepted token -> column 0.
+    # SSM state of the last accepted token -> column 0 (a memcpy per row in the native op).
     src = jnp.take_along_axis(spec_state_indices, a1[:, None], axis=1)[:, 0]
-    ssm = _as_bits(cache.ssm_state)
-    ssm = ssm.at[jnp.where(move, col0, N)].set(ssm[jnp.where(move, src, 0)], mode="drop")  # N: dropped
-    ssm = _from_bits(ssm, cache.ssm_state.dtype)
+    ssm, st_ssm = ops.copy_slots_with_status(cache.ssm_state, src=jnp.where(move, src, PAD_SLOT_ID),
+                                             dst=jnp.where(move, col0, PAD_SLOT_ID), impl=impl)
 
     # Conv window: one-token update with acc-1 whose token is the window's last row.
     slot = jnp.where(move, col0, 0)
@@ -236,6 +223,7 @@ def _commit(config: GDNConfig, impl: str, cache, spec_state_indices, num_accepte
         x, weight=jnp.zeros((config.D, config.W), jnp.float32), bias=None, conv_state=conv,
         state_indices=jnp.where(move, col0, PAD_SLOT_ID), num_accepted_tokens=jnp.where(move, acc - 1, 1),
         activation=None, conv_state_layout=config.conv_state_layout, impl=impl)
+    st = jnp.where(st_ssm[0] != 0, st_ssm, st)
     return GDNCache(conv_state=conv, ssm_state=ssm), jnp.where(status[0] != 0, status, st)
 
 
@@ -354,7 +342,7 @@ class GDNAttention:
         ``spec_state_indices[i, acc-1]``, and rows ``[0, W-1)`` of its conv buffer := rows
         ``[acc-1, acc-1+W-1)``. Afterwards the request continues with ``num_accepted = 1``
         (plain decode, or spec). In place (the cache is donated): an index-scatter of the SSM
-        states and the conv update op for the windows (bf16 SSM pools cost one pass; see _as_bits).
+        states (ops.copy_slots, a memcpy per row) and the conv update op for the windows.
 
         Args:
           cache: GDNCache (donated). spec_state_indices: [S, num_spec + 1] int32 (the

@@ -21,6 +21,7 @@ XLA_FFI_Error* GdnConvFwd(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnConvUpdate(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnRecurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnChunk(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnCopySlots(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -39,6 +40,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["conv_update"] = capsule(gdn::GdnConvUpdate);
     d["recurrent"] = capsule(gdn::GdnRecurrent);
     d["chunk"] = capsule(gdn::GdnChunk);
+    d["copy_slots"] = capsule(gdn::GdnCopySlots);
     return d;
   });
   m.def("available_isas", &gdn::available_isas, "ISAs compiled in and supported by this CPU, best first.");
