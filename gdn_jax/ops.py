@@ -230,6 +230,15 @@ def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activati
 # --- gated delta rule ------------------------------------------------------------------------
 
 
+NATIVE_MAX_HEAD_DIM = 256
+
+
+def _check_native_head_dims(K, V):
+    if K > NATIVE_MAX_HEAD_DIM or V > NATIVE_MAX_HEAD_DIM:
+        raise ValueError(f"the native kernels support head dims K, V up to {NATIVE_MAX_HEAD_DIM}, got K={K}, V={V} "
+                         "(impl='reference' has no limit)")
+
+
 def _scale(scale, K):
     return float(K) ** -0.5 if scale is None else float(scale)
 
@@ -250,6 +259,7 @@ def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_sta
     C.check_bool("has_initial_state", has_initial_state, (S,), "[S]")
     sc = _scale(scale, K)
     if resolve_impl(impl) == "native":
+        _check_native_head_dims(K, V)
         return _native.chunk(q, k, v, g, beta, ssm_state, query_start_loc, state_indices, has_initial_state,
                              scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
     status = C.status_slots_jnp(query_start_loc, state_indices, T, N)
@@ -308,6 +318,7 @@ def fused_sigmoid_gating_delta_rule_update_with_status(q, k, v, *, a, b, A_log, 
     qsl = jnp.arange(B + 1, dtype=jnp.int32)
     acc = jnp.ones((B,), jnp.int32)
     if resolve_impl(impl) == "native":
+        _check_native_head_dims(K, V)
         return _native.recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, qsl, state_indices[:, None], acc,
                                  scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
     status = C.status_spec_jnp(qsl, state_indices[:, None], acc, B, N, 1, 1, slot_cols=True)
@@ -352,6 +363,7 @@ def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_
     C.check_index("num_accepted_tokens", num_accepted_tokens, (S,), "[S]")
     sc = _scale(scale, K)
     if resolve_impl(impl) == "native":
+        _check_native_head_dims(K, V)
         return _native.recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, spec_state_indices,
                                  num_accepted_tokens, scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
     status = C.status_spec_jnp(query_start_loc, spec_state_indices, num_accepted_tokens, T, N, cols, cols,

@@ -42,12 +42,6 @@ def test_serving_loop_native_vs_reference():
     assert "tokens/s" in out and "one executable per impl: {'native': 1, 'reference': 1}" in out
 
 
-@pytest.mark.skipif(NATIVE_READY, reason="covered by test_serving_loop_native_vs_reference")
-def test_serving_loop_reference_only():
-    out = _run("serving_loop.py", "--quick", "--impls", "reference", "--steps", "8")
-    assert "reference" in out and "tokens/s" in out
-
-
 @pytest.mark.parametrize("impl", IMPL_ARGS)
 def test_prefill_then_decode(impl):
     out = _run("prefill_then_decode.py", "--impl", impl, "--decode-steps", "3")

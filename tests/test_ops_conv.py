@@ -5,7 +5,6 @@ Inputs are exact in the activation dtype (bf16 values are bf16-rounded before us
 conv state, which only ever holds copies of inputs, must match the float64 model exactly,
 and every slot or row the batch does not name must be bit-identical afterwards.
 """
-import os
 
 import jax
 import jax.numpy as jnp
@@ -355,8 +354,6 @@ def _grid_id(case):
     return f"{jnp.dtype(dt).name}-{lay}-W{W}-D{D}-{'silu' if silu else 'id'}-{'bias' if bias else 'nobias'}"
 
 
-def _slow_enabled(request):
-    return bool(os.environ.get("GDN_JAX_SLOW")) or "slow" in (request.config.getoption("-m") or "")
 
 
 def _grid_case(dtype, layout, W, D, silu, with_bias):
@@ -383,9 +380,7 @@ def test_grid_sampled(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", GRID, ids=_grid_id)
-def test_grid_exhaustive(request, case):
-    if not _slow_enabled(request):
-        pytest.skip("exhaustive: run with GDN_JAX_SLOW=1 or -m slow (sampled by default)")
+def test_grid_exhaustive(case):
     _grid_case(*case)
 
 

@@ -575,21 +575,11 @@ def test_head_dim_limit():
 # --- against the pure-jnp reference ------------------------------------------------------------
 
 
-def _has_reference():
-    try:
-        from gdn_jax import reference  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-NEEDS_REF = pytest.mark.skipif(not _has_reference(), reason="gdn_jax.reference not merged yet")
 # The reference and the kernel both carry f32 between the tokens of a spec row (one bf16
 # rounding per stored state on a bf16 pool).
 SPEC_REF_DTYPES = [pytest.param(d, id=i) for d, i in zip(DTYPES, DT_IDS)]
 
 
-@NEEDS_REF
 @pytest.mark.parametrize("isa", ISAS[:1])  # the reference is ISA-independent; every ISA meets f64 above
 @pytest.mark.parametrize("dtypes", DTYPES, ids=DT_IDS)
 def test_native_vs_reference_decode(isa, dtypes):
@@ -610,7 +600,6 @@ def test_native_vs_reference_decode(isa, dtypes):
     check_untouched(st_r, np.asarray(j["ssm_state"]), [3, 0, 5])
 
 
-@NEEDS_REF
 @pytest.mark.parametrize("isa", ISAS[:1])  # the reference is ISA-independent; every ISA meets f64 above
 @pytest.mark.parametrize("dtypes", SPEC_REF_DTYPES)
 def test_native_vs_reference_spec(isa, dtypes):

@@ -513,8 +513,6 @@ def test_steps_update_pools_in_place(impl_isa, cfg):
             fn = getattr(eng.attn, f"{kind}_with_status")
             hlo = fn.lower(x, b, a, eng.params, eng.cache, hb.metadata).compile().as_text()
             copies = pool_copies(hlo, shapes)
-            if impl == "reference" and copies:
-                pytest.xfail(f"the reference ops copy a pool in {kind}: {copies[0]} (the native path must not)")
             assert copies == [], f"{kind}: {copies}"
         ptrs = (eng.cache.conv_state.unsafe_buffer_pointer(), eng.cache.ssm_state.unsafe_buffer_pointer())
         old = eng.cache
@@ -540,10 +538,6 @@ def test_commit_accepted_in_place(impl_isa, cfg):
     assert int(status[0]) == 0
     assert (new.conv_state.unsafe_buffer_pointer(), new.ssm_state.unsafe_buffer_pointer()) == ptrs
     copies = pool_copies(hlo, shapes)
-    if impl == "reference" and copies:
-        # The reference is for correctness: its jnp scatters copy or convert pools (a bf16
-        # pool is converted whole by XLA:CPU). The native path must not.
-        pytest.xfail(f"the reference ops copy a pool: {copies[0]} (the native path must not)")
     assert copies == []
 
 
