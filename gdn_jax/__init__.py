@@ -6,7 +6,11 @@ signatures. See README.md for the contract (shapes, layouts, numerics).
 """
 from ._checks import PAD_SLOT_ID, InvalidBatchError
 from ._ffi import available_isas, cpu_features, native_available, selected_isa, set_isa, use_isa
+from . import batch, paths, reference
+from .batch import BatchBuilder, BatchMetadata, HostBatch, Request, build_batch, from_vllm_metadata
+from .config import GDNCache, GDNConfig, GDNParams
 from .ops import (
+    copy_slots,
     causal_conv1d_fwd,
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -15,10 +19,31 @@ from .ops import (
     fused_sigmoid_gating_delta_rule_update_spec,
 )
 
+from .paths import GDNAttention, commit_accepted, decode, gdn_attention_core, prefill, spec_decode
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchBuilder",
+    "BatchMetadata",
+    "GDNAttention",
+    "GDNCache",
+    "GDNConfig",
+    "GDNParams",
+    "HostBatch",
     "PAD_SLOT_ID",
+    "Request",
+    "batch",
+    "build_batch",
+    "commit_accepted",
+    "copy_slots",
+    "decode",
+    "from_vllm_metadata",
+    "gdn_attention_core",
+    "paths",
+    "prefill",
+    "reference",
+    "spec_decode",
     "InvalidBatchError",
     "available_isas",
     "causal_conv1d_fwd",

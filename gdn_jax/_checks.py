@@ -232,3 +232,22 @@ def status_spec_jnp(qsl, idx2d, num_accepted, T: int, N: int, max_tokens: int, m
     else:
         checks += _slot_checks(idx2d[:, 0], live, rows, jnp.zeros_like(rows), N)
     return _pick(checks)
+
+
+def status_copy_slots_jnp(src, dst, N: int):
+    """Mirror of the copy_slots handler's checks: slots in range, each dst once, and no slot
+    that one row reads while another writes it."""
+    S = dst.shape[0]
+    rows = jnp.arange(S, dtype=jnp.int32)
+    live = dst != PAD_SLOT_ID
+    bad_dst, i = _first(live & ((dst < 0) | (dst >= N)))
+    bad_src, j = _first(live & ((src < 0) | (src >= N)))
+    checks = [(bad_dst, _status(4, rows[i], dst[i], 0)), (bad_src, _status(4, rows[j], src[j], 1))]
+    checks += _slot_checks(dst, live, rows, jnp.zeros_like(rows), N)[1:]
+    # src of row r == dst of another row w
+    clash = (src[:, None] == dst[None, :]) & live[:, None] & live[None, :] & (rows[:, None] != rows[None, :]) & \
+        (src != dst)[:, None]
+    bc, k = _first(clash.reshape(-1))
+    r, w = k // max(S, 1), k % max(S, 1)
+    checks.append((bc, _status(5, jnp.maximum(r, w), src[r], jnp.minimum(r, w))))
+    return _pick(checks)

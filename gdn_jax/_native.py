@@ -80,3 +80,13 @@ def chunk(q, k, v, g, beta, ssm_state, query_start_loc, state_indices, has_initi
     )
     return call(q, k, v, g.astype(_f32), beta.astype(_f32), ssm_state, query_start_loc, state_indices,
                 has_initial_state, scale=np.float32(scale), eps=np.float32(eps), l2norm=np.int32(l2norm))
+
+
+def copy_slots(pool, src, dst):
+    """pool[dst[i]] = pool[src[i]] in place for rows with dst[i] != -1 -> (pool, status)."""
+    require_native()
+    call = jax.ffi.ffi_call(
+        TARGET_PREFIX + "copy_slots", (_sds(pool), _STATUS), input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    return call(pool, src, dst)

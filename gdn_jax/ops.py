@@ -391,3 +391,38 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
         use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
     report_status("fused_sigmoid_gating_delta_rule_update_spec", status)
     return o, st
+
+
+# --- slot copies (index-scatter rollback) ---------------------------------------------------
+
+
+def copy_slots_with_status(pool, *, src, dst, impl="auto"):
+    """:func:`copy_slots` returning ``(pool, status int32[4])``."""
+    if len(getattr(pool, "shape", ())) < 1:
+        raise ValueError(f"pool must have a leading slot dimension [N, ...], got shape {getattr(pool, 'shape', ())}")
+    (S,) = C.check_rank("src", src, 1, "[S]")
+    C.check_index("src", src, (S,), "[S]")
+    C.check_index("dst", dst, (S,), "[S]")
+    if resolve_impl(impl) == "native":
+        return _native.copy_slots(pool, src, dst)
+    status = C.status_copy_slots_jnp(src, dst, pool.shape[0])
+    N = pool.shape[0]
+    write = (dst != C.PAD_SLOT_ID) & (status[0] == 0)
+    moved = pool.at[jnp.where(write, dst, N)].set(pool[jnp.where(write, src, 0)], mode="drop")
+    return moved, status
+
+
+def copy_slots(pool, *, src, dst, impl="auto"):
+    """Index-scatter rollback: ``pool[dst[i]] = pool[src[i]]`` for every row with ``dst[i] != -1``.
+
+    Args:
+      pool: [N, ...] cache pool of any dtype (e.g. ssm_state [N, HV, K, V]).
+      src, dst: [S] int32 slots; a row with dst -1 is skipped. Each dst at most once, and no
+        slot that one row reads may be written by another (the result would depend on order).
+    Returns:
+      the pool, updated in place when donated (native: a memcpy per row; no pass over the
+      pool, also for bf16 pools, which a jnp scatter would convert whole on XLA:CPU).
+    """
+    pool, status = copy_slots_with_status(pool, src=src, dst=dst, impl=impl)
+    report_status("copy_slots", status)
+    return pool

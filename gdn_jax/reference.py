@@ -527,8 +527,10 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
     Returns:
       (o [T, HV, V] in q.dtype, ssm_state). Row i starts from slot
       spec_state_indices[i, acc-1]; the state after its token t is stored (in the pool
-      dtype) to spec_state_indices[i, t], and token t+1 continues from that stored
-      value, exactly as if it had read the slot back (so a bf16 pool rounds per token).
+      dtype) to spec_state_indices[i, t]. Token t+1 continues from the f32 state, not
+      from the stored value: a bf16 pool gets one rounding per stored state and the
+      row's last state equals a prefill of the same tokens (the native kernel does the
+      same).
     """
     T, HV, V = v.shape
     N = ssm_state.shape[0]
@@ -554,7 +556,6 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
         live = tok_live[:, t]
         S_new, o = jax.vmap(_delta_step)(S_rows, q_hat[tk], k_hat[tk], v32[tk], g[tk],
                                          beta[tk])
-        S_new = S_new.astype(ssm_state.dtype).astype(_F32)  # what the slot now holds
         S_rows = jnp.where(live[:, None, None, None], S_new, S_rows)
         return S_rows, (o, S_new)
 

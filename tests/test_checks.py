@@ -112,7 +112,7 @@ BAD_SPEC = {
     "slot out of range": ([0, 1, 2], [[0, 1], [8, 9]], [1, 1], "slot 8 \\(column 0\\) is outside"),
     "negative slot": ([0, 1, 2], [[0, 1], [-3, 5]], [1, 1], "slot -3 \\(column 0\\) is outside"),
     "slot twice": ([0, 1, 2], [[2, 3], [2, 5]], [1, 1], "slot 2 is also named by row 0"),
-    "slot twice in used columns": ([0, 2, 3], [[2, 3], [4, 3]], [1, 1], "slot 3 is also named by row 0"),
+    "slot twice in used columns": ([0, 1, 3], [[2, 3], [4, 2]], [1, 1], "slot 2 is also named by row 0"),
     "slot twice via accepted column": ([0, 1, 2], [[2, 3], [4, 5]], [1, 2], None),
     "accepted zero": ([0, 1, 2], [[0, 1], [2, 3]], [0, 1], "num_accepted_tokens = 0 is outside \\[1, 2\\]"),
     "accepted too many": ([0, 1, 2], [[0, 1], [2, 3]], [1, 3], "num_accepted_tokens = 3 is outside \\[1, 2\\]"),

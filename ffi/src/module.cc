@@ -1,5 +1,10 @@
 // The nanobind module: the table of FFI targets (registered from Python at import under
 // "gdn_jax_<name>") and the ISA controls.
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -16,6 +21,7 @@ XLA_FFI_Error* GdnConvFwd(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnConvUpdate(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnRecurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnChunk(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnCopySlots(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -34,11 +40,31 @@ NB_MODULE(_gdn_ffi, m) {
     d["conv_update"] = capsule(gdn::GdnConvUpdate);
     d["recurrent"] = capsule(gdn::GdnRecurrent);
     d["chunk"] = capsule(gdn::GdnChunk);
+    d["copy_slots"] = capsule(gdn::GdnCopySlots);
     return d;
   });
   m.def("available_isas", &gdn::available_isas, "ISAs compiled in and supported by this CPU, best first.");
   m.def("selected_isa", &gdn::selected_isa, "The ISA whose kernels the FFI targets run now.");
   m.def("cpu_features", &gdn::cpu_features);
+  m.def(
+      "fma_peak_gflops",
+      [](int threads, double seconds) {
+        // Benchmark-only: f32 FMA peak of the selected ISA on `threads` threads.
+        const auto& t = gdn::current_table();
+        nb::gil_scoped_release release;
+        int64_t iters = 1 << 16;
+        for (;;) {
+          auto t0 = std::chrono::steady_clock::now();
+          std::vector<std::thread> pool;
+          std::atomic<float> sink{0.f};
+          for (int i = 0; i < threads; ++i) pool.emplace_back([&] { sink = sink + t.fma_probe(iters); });
+          for (auto& th : pool) th.join();
+          const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          if (dt >= seconds || iters > (int64_t(1) << 40)) return 256.0 * double(iters) * threads / dt / 1e9;
+          iters *= 2;
+        }
+      },
+      nb::arg("threads") = 1, nb::arg("seconds") = 0.2);
   m.def(
       "select_isa",
       [](const std::string& name) {

@@ -116,6 +116,7 @@ struct KernelTable {
   void (*conv_update)(const ConvArgs&, const Parallel&) = nullptr;
   void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
   void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
+  float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: 256 f32 flops per iteration
 };
 
 }  // namespace gdn

@@ -1,5 +1,436 @@
 // Chunked (WY, chunk 64) gated delta rule prefill over varlen sequences.
-// Included inside the ISA namespace.
-// PLACEHOLDER: implemented in the native-kernels work (issue 3).
+// Included inside the ISA namespace (no include guard, no system headers).
+//
+// Work item = (sequence, value head); the chunks of one item run in order because the
+// state carries across them. Everything is f32 (products and sums); the decay cumsum is
+// kept in double so that exp(Gc_i - Gc_j) keeps its relative accuracy when the cumsums
+// are large. Design notes and flop counts: ffi/README.md, "Chunked prefill".
 
-inline void chunk(const ChunkArgs&, const Parallel&) {}
+// ---------------------------------------------------------------------------------------
+// f32 micro-GEMM on VF
+// ---------------------------------------------------------------------------------------
+//
+// Cout(i, c) = (crs ? crs[i] * Cin(i, c) : 0) + sum_p A(i, p) * B(p, c),  N % 16 == 0.
+//
+// A(i, p) = A[i * rsa + p * csa]: any strides, A is broadcast one element at a time.
+// B, Cin, Cout are addressed per 16-column block: element (r, c) of a Mat lives at
+// p[(c / 16) * bs + r * ld + c % 16]. A row-major matrix is {p, ld = N, bs = 16}; a
+// "panel" matrix of R rows is {p, ld = 16, bs = 16 R}: each 16-column block is one
+// contiguous R x 16 panel. B operands are kept as panels so that the depth loop reads
+// consecutive cache lines (a row stride of 512 B puts a 128-row column block in 8 of the
+// 64 L1 sets, which cannot hold it: ~20% slower at K = V = 128).
+//
+// Register tile: kGemmMR rows x kGemmNV vectors of accumulators; per depth step the tile
+// loads kGemmNV vectors of B and broadcasts kGemmMR elements of A. Cin may alias Cout (a
+// tile reads its C block before writing it); Cin is not read when crs is null.
+
+#if defined(__AVX512F__)
+constexpr int kGemmMR = 6, kGemmNV = 2;  // VF = one zmm: 12 accumulators of 32
+#else
+constexpr int kGemmMR = 6, kGemmNV = 1;  // AVX2: VF = two ymm, 12 accumulators of 16
+#endif
+static_assert(kGemmMR >= 1 && kGemmMR <= 6 && kGemmNV >= 1 && kGemmNV <= 2, "tile dispatch below");
+
+template <class T>
+struct Mat {
+  T* p;
+  int64_t ld, bs;  // row stride; stride between 16-column blocks
+};
+template <class T>
+inline Mat<T> row_major(T* p, int64_t ld) { return {p, ld, kLanes}; }
+template <class T>
+inline Mat<T> panels(T* p, int64_t rows) { return {p, kLanes, kLanes * rows}; }
+
+enum GemmShape {
+  kGemmFull = 0,
+  kGemmTriCols = 1,   // only columns j <= i are needed (column blocks right of the tile skipped)
+  kGemmTriDepth = 2,  // A lower triangular incl. diagonal, zeros stored above: depth p <= i
+};
+
+// Not inlined: inlined into a large caller, GCC stopped keeping the accumulator array in
+// registers (spills inside the depth loop, half the speed).
+template <int MR, int NV, class TO>
+__attribute__((noinline)) void gemm_tile(int np, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                                         Mat<const float> Cin, const float* crs, Mat<TO> Cout) {
+  VF acc[MR][NV];
+  if (crs != nullptr) {
+    for (int r = 0; r < MR; ++r) {
+      const VF s = vset1(crs[r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(Cin.p + c * Cin.bs + r * Cin.ld);
+    }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
+  }
+  for (int p = 0; p < np; ++p) {
+    VF b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = vload(B.p + c * B.bs + p * B.ld);
+    const float* a = A + p * csa;
+    for (int r = 0; r < MR; ++r) {
+      const VF av = vset1(a[r * rsa]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = vfma(av, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) vstore(Cout.p + c * Cout.bs + r * Cout.ld, acc[r][c]);
+}
+
+template <int NV, class TO>
+inline void gemm_tile_rows(int mr, int np, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                           Mat<const float> Cin, const float* crs, Mat<TO> Cout) {
+  switch (mr) {
+    case 6: gemm_tile<6, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+    case 5: gemm_tile<5, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+    case 4: gemm_tile<4, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+    case 3: gemm_tile<3, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+    case 2: gemm_tile<2, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+    default: gemm_tile<1, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+  }
+}
+
+// M x N result, depth P. Column blocks outermost: the B column block (P x 16 NV floats)
+// stays in L1 while the row tiles stream A.
+template <class TO>
+inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                 Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
+  for (int c0 = 0; c0 < N; c0 += kGemmNV * kLanes) {
+    const int nv = N - c0 >= kGemmNV * kLanes ? kGemmNV : (N - c0) / kLanes;
+    const int64_t cb = c0 / kLanes;
+    const Mat<const float> b{B.p + cb * B.bs, B.ld, B.bs};
+    for (int i0 = 0; i0 < M; i0 += kGemmMR) {
+      const int mr = M - i0 < kGemmMR ? M - i0 : kGemmMR;
+      if (shape == kGemmTriCols && i0 + mr - 1 < c0) continue;
+      int np = P;
+      if (shape == kGemmTriDepth && i0 + mr < np) np = i0 + mr;
+      const float* a = A + i0 * rsa;
+      const Mat<const float> ci{crs == nullptr ? nullptr : Cin.p + cb * Cin.bs + i0 * Cin.ld, Cin.ld, Cin.bs};
+      const float* rs = crs == nullptr ? nullptr : crs + i0;
+      const Mat<TO> co{Cout.p + cb * Cout.bs + i0 * Cout.ld, Cout.ld, Cout.bs};
+      if (nv == 2) gemm_tile_rows<2 <= kGemmNV ? 2 : 1>(mr, np, a, rsa, csa, b, ci, rs, co);
+      else gemm_tile_rows<1>(mr, np, a, rsa, csa, b, ci, rs, co);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// chunked prefill
+// ---------------------------------------------------------------------------------------
+
+constexpr int kChunk = 64;
+
+// Per-thread scratch, allocated once per thread (grown if a call needs more) and freed when
+// the thread exits: no allocation per call. Every byte a work item reads from it was
+// written by that work item first, so results do not depend on which thread ran it.
+struct ChunkScratch {
+  float* mem = nullptr;
+  int64_t cap = 0;
+  ~ChunkScratch() { delete[] mem; }
+};
+
+inline float* chunk_scratch(int64_t floats) {
+  static thread_local ChunkScratch s;
+  if (floats > s.cap) {
+    delete[] s.mem;
+    s.mem = nullptr;
+    s.cap = 0;
+    s.mem = new float[size_t(floats + 16)];
+    s.cap = floats;
+  }
+  uintptr_t u = reinterpret_cast<uintptr_t>(s.mem);
+  u = (u + 63) & ~uintptr_t(63);
+  return reinterpret_cast<float*>(u);
+}
+
+// Layout of one thread's scratch (floats) for head dims K, V and a group of gsz value heads
+// sharing one key head. "Panels" = 16-column blocks, each a contiguous rows x 16 block.
+struct ChunkBufs {
+  float* S;        // gsz x [K][V] as V/16 panels of K rows: the f32 working states
+  float *Qc, *Kc;  // [C][K] row-major: q^ (scale folded in) and k^ of the chunk
+  float* KcT;      // [K][C] as C/16 panels of K rows: k^ transposed, columns >= n zero
+  float *SQ, *SK;  // [C][C] raw scores Q K^T, K K^T (shared by the group)
+  float *P, *A;    // [C][C] lower_incl(Q K^T o Gamma), strict_lower(diag(beta) K K^T o Gamma)
+  float* Tm;       // [C][C] (I + A)^-1
+  float *XQ, *XK;  // [C][V] panels: Q S0 and K S0; XK becomes R = diag(beta)(V - diag(e^Gc) K S0)
+  float* Vn;       // [C][V] panels: V_new = T R, then scaled by e^(G_last - Gc)
+  float* eg;       // [C] e^Gc
+  float* dg;       // [C] e^(G_last - Gc)
+  float* decay;    // [K] e^G_last repeated (row scale of the state update)
+  int64_t total;
+
+  ChunkBufs(float* base, int64_t K, int64_t V, int64_t gsz) {
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      float* p = base == nullptr ? nullptr : base + off;
+      off += (n + 15) / 16 * 16;
+      return p;
+    };
+    S = take(gsz * K * V);
+    Qc = take(kChunk * K);
+    Kc = take(kChunk * K);
+    KcT = take(K * kChunk);
+    SQ = take(kChunk * kChunk);
+    SK = take(kChunk * kChunk);
+    P = take(kChunk * kChunk);
+    A = take(kChunk * kChunk);
+    Tm = take(kChunk * kChunk);
+    XQ = take(kChunk * V);
+    XK = take(kChunk * V);
+    Vn = take(kChunk * V);
+    eg = take(kChunk);
+    dg = take(kChunk);
+    decay = take(K);
+    total = off;
+  }
+};
+
+// Shared part of a chunk of n <= 64 tokens [t0, t0 + n) for key head kh: q^, k^, k^T and
+// the raw scores. Also prefetches the rows of the next chunk (n_next tokens) of this key
+// head and of value heads [h0, h0 + gsz): rows 4-8 KiB apart, a stride the hardware
+// prefetcher does not follow; they arrive while this chunk computes.
+template <class TA>
+inline void chunk_prep(const ChunkArgs& p, const ChunkBufs& b, int64_t t0, int n, int n_next, int64_t kh,
+                       int64_t h0, int64_t gsz) {
+  constexpr int C = kChunk;
+  const int64_t H = p.H, HV = p.HV, K = p.K, V = p.V;
+  const int Ki = int(K);
+  const TA* q = static_cast<const TA*>(p.q);
+  const TA* k = static_cast<const TA*>(p.k);
+  const TA* v = static_cast<const TA*>(p.v);
+  const TA* o = static_cast<const TA*>(p.o);
+  const int npad = (n + kLanes - 1) / kLanes * kLanes;
+
+  for (int i = 0; i < n; ++i) {
+    if (i < n_next) {
+      const int64_t tn = t0 + n + i;
+      const char* pq = reinterpret_cast<const char*>(q + (tn * H + kh) * K);
+      const char* pk = reinterpret_cast<const char*>(k + (tn * H + kh) * K);
+      for (int64_t c = 0; c < K * int64_t(sizeof(TA)); c += 64) {
+        __builtin_prefetch(pq + c, 0, 2);
+        __builtin_prefetch(pk + c, 0, 2);
+      }
+      const char* pv = reinterpret_cast<const char*>(v + (tn * HV + h0) * V);
+      const char* po = reinterpret_cast<const char*>(o + (tn * HV + h0) * V);
+      for (int64_t c = 0; c < gsz * V * int64_t(sizeof(TA)); c += 64) {
+        __builtin_prefetch(pv + c, 0, 2);
+        __builtin_prefetch(po + c, 1, 2);
+      }
+    }
+    const TA* qr = q + ((t0 + i) * H + kh) * K;
+    const TA* kr = k + ((t0 + i) * H + kh) * K;
+    float rq = p.scale, rk = 1.f;
+    if (p.l2norm) {
+      VF sq = vzero(), sk = vzero();
+      for (int c = 0; c < Ki; c += kLanes) {
+        const VF x = vload(qr + c), y = vload(kr + c);
+        sq = vfma(x, x, sq);
+        sk = vfma(y, y, sk);
+      }
+      rq = p.scale / std::sqrt(vsum(sq) + p.eps);
+      rk = 1.f / std::sqrt(vsum(sk) + p.eps);
+    }
+    float* qc = b.Qc + i * K;
+    float* kc = b.Kc + i * K;
+    for (int c = 0; c < Ki; c += kLanes) {
+      vstore(qc + c, vload(qr + c) * vset1(rq));
+      vstore(kc + c, vload(kr + c) * vset1(rk));
+    }
+    float* kt = b.KcT + (i / kLanes) * K * kLanes + i % kLanes;  // panel i / 16, lane i % 16
+    for (int c = 0; c < Ki; ++c) kt[c * kLanes] = kc[c];
+  }
+  if (n < npad) {
+    float* kt = b.KcT + (n / kLanes) * K * kLanes;
+    for (int c = 0; c < Ki; ++c)
+      for (int l = n % kLanes; l < kLanes; ++l) kt[c * kLanes + l] = 0.f;
+  }
+
+  // Raw scores, only the column blocks on or left of the diagonal (P, A need j <= i).
+  const Mat<const float> kt = panels<const float>(b.KcT, K);
+  gemm<float>(n, npad, Ki, b.Qc, K, 1, kt, {}, nullptr, row_major(b.SQ, C), kGemmTriCols);
+  gemm<float>(n, npad, Ki, b.Kc, K, 1, kt, {}, nullptr, row_major(b.SK, C), kGemmTriCols);
+}
+
+// One chunk for value head h (after chunk_prep); S holds the head's state before the chunk
+// as panels (ignored and overwritten when zero_state) and the state after it on return.
+template <class TA>
+inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t t0, int n, int64_t h,
+                       bool zero_state) {
+  constexpr int C = kChunk;
+  const int64_t HV = p.HV, K = p.K, V = p.V;
+  const int Ki = int(K), Vi = int(V);
+  const TA* v = static_cast<const TA*>(p.v);
+  TA* o = static_cast<TA*>(p.o);
+  const int npad = (n + kLanes - 1) / kLanes * kLanes;
+
+  // Gates: in-chunk cumsum of g in double, so that Gc_i - Gc_j keeps its relative accuracy
+  // when the sums are large.
+  double Gc[C];
+  float beta[C];
+  {
+    double acc = 0.0;
+    for (int i = 0; i < n; ++i) {
+      acc += double(p.g[(t0 + i) * HV + h]);
+      Gc[i] = acc;
+      beta[i] = p.beta[(t0 + i) * HV + h];
+    }
+    for (int i = 0; i < n; ++i) {
+      b.eg[i] = float(std::exp(Gc[i]));
+      b.dg[i] = float(std::exp(Gc[n - 1] - Gc[i]));
+    }
+    const float last = float(std::exp(Gc[n - 1]));
+    for (int c = 0; c < Ki; ++c) b.decay[c] = last;
+  }
+
+  // Decay and causal masks. Gamma_ij = exp(Gc_i - Gc_j) only for j <= i (a non-positive
+  // exponent for a decay g <= 0); masked lanes get exp(-1000) = 0.
+  for (int i = 0; i < n; ++i) {
+    const float* sq = b.SQ + i * C;
+    const float* sk = b.SK + i * C;
+    float* pr = b.P + i * C;
+    float* ar = b.A + i * C;
+    const int nb = i / kLanes + 1;
+    const VF bi = vset1(beta[i]);
+    for (int c = 0; c < npad; c += kLanes) {
+      if (c / kLanes < nb) {
+        float d[kLanes];
+        for (int l = 0; l < kLanes; ++l) d[l] = c + l <= i ? float(Gc[i] - Gc[c + l]) : -1000.f;
+        const VF gm = vexp(vload(d));
+        vstore(pr + c, vload(sq + c) * gm);
+        vstore(ar + c, vload(sk + c) * gm * bi);
+      } else {
+        vstore(pr + c, vzero());
+        vstore(ar + c, vzero());
+      }
+    }
+    ar[i] = 0.f;
+  }
+
+  // T = (I + A)^-1 by forward substitution: T_i = e_i - sum_{j<i} A_ij T_j (row j of T is
+  // zero right of column j).
+  for (int i = 0; i < n; ++i) {
+    VF acc[C / kLanes];
+    const int nb = i / kLanes + 1;
+    for (int c = 0; c < nb; ++c) acc[c] = vzero();
+    const float* ar = b.A + i * C;
+    for (int j = 0; j < i; ++j) {
+      const VF a = vset1(-ar[j]);
+      const float* tj = b.Tm + j * C;
+      const int nbj = j / kLanes + 1;
+      for (int c = 0; c < nbj; ++c) acc[c] = vfma(a, vload(tj + c * kLanes), acc[c]);
+    }
+    float* tr = b.Tm + i * C;
+    for (int c = 0; c < npad / kLanes; ++c) vstore(tr + c * kLanes, c < nb ? acc[c] : vzero());
+    tr[i] = 1.f;
+  }
+
+  const Mat<const float> Sm = panels<const float>(S, K);
+  const Mat<float> xq = panels(b.XQ, C), xk = panels(b.XK, C), vn = panels(b.Vn, C);
+
+  // Q S0 and K S0 (nothing to do from a zero state).
+  if (!zero_state) {
+    gemm<float>(n, Vi, Ki, b.Qc, K, 1, Sm, {}, nullptr, xq, kGemmFull);
+    gemm<float>(n, Vi, Ki, b.Kc, K, 1, Sm, {}, nullptr, xk, kGemmFull);
+  }
+
+  // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R.
+  for (int i = 0; i < n; ++i) {
+    const TA* vr = v + ((t0 + i) * HV + h) * V;
+    const VF bi = vset1(beta[i]);
+    const VF ei = vset1(b.eg[i]);
+    for (int c = 0; c < Vi; c += kLanes) {
+      float* r = b.XK + c * C + i * kLanes;  // panel c / 16, row i
+      vstore(r, zero_state ? bi * vload(vr + c) : bi * (vload(vr + c) - ei * vload(r)));
+    }
+  }
+  gemm<float>(n, Vi, n, b.Tm, C, 1, {b.XK, kLanes, kLanes * C}, {}, nullptr, vn, kGemmTriDepth);
+
+  // O = diag(e^Gc) Q S0 + P V_new, stored straight into o in the activation dtype.
+  gemm<TA>(n, Vi, n, b.P, C, 1, {b.Vn, kLanes, kLanes * C}, {b.XQ, kLanes, kLanes * C},
+           zero_state ? nullptr : b.eg, row_major(o + (t0 * HV + h) * V, HV * V), kGemmTriDepth);
+
+  // S = e^G_last S0 + K^T diag(e^(G_last - Gc)) V_new (the A operand K^T is read from Kc).
+  for (int i = 0; i < n; ++i) {
+    const VF d = vset1(b.dg[i]);
+    for (int c = 0; c < Vi; c += kLanes) {
+      float* r = b.Vn + c * C + i * kLanes;
+      vstore(r, vload(r) * d);
+    }
+  }
+  gemm<float>(Ki, Vi, n, b.Kc, 1, K, {b.Vn, kLanes, kLanes * C}, Sm, zero_state ? nullptr : b.decay,
+              panels(S, K), kGemmFull);
+}
+
+// Value heads per work item: a group of gsz heads of one key head shares q^, k^ and the
+// raw scores. The largest divisor of G whose f32 states fit 128 KiB (so that the scratch
+// stays within a 512 KiB L2) and that still leaves >= 4 items per thread. The result does
+// not depend on the choice: every head computes the same operations on the same data.
+inline int64_t chunk_group(const ChunkArgs& p, int threads) {
+  const int64_t G = p.HV / p.H;
+  for (int64_t d = G; d > 1; --d) {
+    if (G % d != 0) continue;
+    if (d * p.K * p.V * 4 > 128 * 1024) continue;
+    if (p.S * (p.HV / d) < 4 * int64_t(threads)) continue;
+    return d;
+  }
+  return 1;
+}
+
+template <class TA, class TS>
+void chunk_impl(const ChunkArgs& p, const Parallel& par) {
+  const int64_t HV = p.HV, K = p.K, V = p.V, S = p.S, G = HV / p.H;
+  const int32_t* qsl = p.query_start_loc;
+  TA* o = static_cast<TA*>(p.o);
+  TS* pool = static_cast<TS*>(p.ssm_state);
+
+  // Tokens no sequence covers: zero output.
+  const int64_t covered = qsl[S];
+  if (covered < p.T) std::memset(o + covered * HV * V, 0, size_t((p.T - covered) * HV * V) * sizeof(TA));
+
+  const int64_t gsz = chunk_group(p, par.num_threads);
+  const int64_t groups = HV / gsz;  // items per sequence
+  const int64_t need = ChunkBufs(nullptr, K, V, gsz).total;
+  par(S * groups, 1, [&](int64_t begin, int64_t end) {
+    const ChunkBufs b(chunk_scratch(need), K, V, gsz);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / groups, h0 = (item % groups) * gsz, kh = h0 / G;
+      const int64_t bos = qsl[s], eos = qsl[s + 1];
+      if (eos <= bos) continue;  // zero-length: nothing read, nothing written
+      const int32_t slot = p.state_indices[s];
+      if (slot < 0) {  // padding row
+        for (int64_t t = bos; t < eos; ++t) std::memset(o + (t * HV + h0) * V, 0, size_t(gsz * V) * sizeof(TA));
+        continue;
+      }
+      bool zero_state = !p.has_initial_state[s];
+      if (!zero_state) {
+        for (int64_t j = 0; j < gsz; ++j) {  // k-major [K][V] -> panels
+          const TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
+          float* Sj = b.S + j * K * V;
+          for (int64_t r = 0; r < K; ++r)
+            for (int64_t c = 0; c < V; c += kLanes) vstore(Sj + c * K + r * kLanes, vload(st + r * V + c));
+        }
+      }
+      for (int64_t t0 = bos; t0 < eos; t0 += kChunk) {
+        const int n = int(eos - t0 < kChunk ? eos - t0 : kChunk);
+        const int64_t rest = eos - t0 - n;
+        chunk_prep<TA>(p, b, t0, n, int(rest < kChunk ? rest : kChunk), kh, h0, gsz);
+        for (int64_t j = 0; j < gsz; ++j) chunk_head<TA>(p, b, b.S + j * K * V, t0, n, h0 + j, zero_state);
+        zero_state = false;
+      }
+      for (int64_t j = 0; j < gsz; ++j) {
+        TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
+        const float* Sj = b.S + j * K * V;
+        for (int64_t r = 0; r < K; ++r)
+          for (int64_t c = 0; c < V; c += kLanes) vstore(st + r * V + c, vload(Sj + c * K + r * kLanes));
+      }
+    }
+  });
+}
+
+inline void chunk(const ChunkArgs& p, const Parallel& par) {
+  if (p.act == DType::bf16) {
+    if (p.state == DType::bf16) chunk_impl<bf16, bf16>(p, par);
+    else chunk_impl<bf16, float>(p, par);
+  } else {
+    if (p.state == DType::bf16) chunk_impl<float, bf16>(p, par);
+    else chunk_impl<float, float>(p, par);
+  }
+}

@@ -1,5 +1,323 @@
 // Gated delta rule token recurrence with fused gating: decode and spec verify.
-// Included inside the ISA namespace.
-// PLACEHOLDER: implemented in the native-kernels work (issue 3).
+// Included inside the ISA namespace (see all_kernels.inc).
+//
+// One kernel serves both paths: plain decode is spec verify with query_start_loc =
+// arange(B + 1), one index column and num_accepted = 1. Row i (tokens [qsl[i], qsl[i+1]))
+// starts from slot idx[i, acc-1] and writes the state after its token t to slot idx[i, t].
+//
+// Work item = (row, value head, range of 32-column blocks of V). V is the SIMD dimension
+// (unit stride in the k-major state). Every column's arithmetic is the same whatever the
+// block width or split (reductions run over k in a fixed order per column), so results do
+// not depend on the split nor on the thread that runs an item.
+//
+// Per column block (K x 32 f32, 16 KiB at K = 128, stays in L1 between the passes):
+//   pass 1 (first token only): kv = S_srcᵀ k̂_0 (read the start slot).
+//   per token t: delta = beta (v - alpha kv); one fused pass over k:
+//     S[k] = alpha S[k] + k̂_k delta; store S[k] to slot idx[i, t];
+//     o += S[k] q̂_k;  kv' += S[k] k̂_{t+1,k} (the next token's reduction, fused).
+// The state stays f32 between the tokens of a row: an f32 pool continues from the slot it
+// just wrote (exact), a bf16 pool from an f32 stack copy of the block, so each stored bf16
+// state is rounded once per token and the roundings do not compound.
+// See ffi/README.md, "Recurrent decode / spec".
 
-inline void recurrent(const RecurrentArgs&, const Parallel&) {}
+// The hot loops are flattened so that every vector primitive (including the bf16 load /
+// store conversions) is inlined: GCC otherwise leaves some as calls with VF passed on the
+// stack, which made the bf16-state pass 10x slower.
+#ifndef GDN_REC_HOT
+#define GDN_REC_HOT __attribute__((flatten))
+#define GDN_REC_INLINE inline __attribute__((always_inline))
+#endif
+
+constexpr int64_t kRecMaxDim = 256;     // K, V limit (the handler refuses larger)
+constexpr int kRecTokGroup = 8;         // tokens whose q̂/k̂/gates are prepared at once
+constexpr int kRecBlockVF = 2;          // VF per full column block
+constexpr int kRecBlock = kRecBlockVF * kLanes;  // 32 columns
+
+inline int64_t rec_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <bool kFull, class T>
+GDN_REC_INLINE VF rec_ld(const T* p, int n) {
+  if (kFull) return vload(p);
+  return vload_n(p, n);
+}
+template <bool kFull, class T>
+GDN_REC_INLINE void rec_st(T* p, VF x, int n) {
+  if (kFull) vstore(p, x);
+  else vstore_n(p, x, n);
+}
+
+// The prepared operands of up to kRecTokGroup tokens of one row for one value head.
+template <class A, class ST>
+struct RecGroup {
+  int n;                               // tokens in the group
+  float alpha[kRecTokGroup], beta[kRecTokGroup];
+  const A* v[kRecTokGroup];            // v row of the token for this head (column 0)
+  A* o[kRecTokGroup];                  // o row of the token for this head (column 0)
+  ST* dst[kRecTokGroup];               // slot head base the state after the token goes to
+  bool nt[kRecTokGroup];               // store that slot with non-temporal stores
+  alignas(64) float qh[kRecTokGroup][kRecMaxDim];  // q̂ (normalised, scaled)
+  alignas(64) float kh[kRecTokGroup][kRecMaxDim];  // k̂
+};
+
+// kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
+template <int NV, bool kFull, class Src>
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv) {
+  VF a0[NV], a1[NV];
+  for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    const VF k0 = vset1(kh[k]), k1 = vset1(kh[k + 1]);
+    const Src* r0 = s + k * ld;
+    const Src* r1 = r0 + ld;
+    for (int c = 0; c < NV; ++c) {
+      a0[c] = vfma(rec_ld<kFull>(r0 + c * kLanes, ncol), k0, a0[c]);
+      a1[c] = vfma(rec_ld<kFull>(r1 + c * kLanes, ncol), k1, a1[c]);
+    }
+  }
+  if (k < K) {
+    const VF k0 = vset1(kh[k]);
+    for (int c = 0; c < NV; ++c) a0[c] = vfma(rec_ld<kFull>(s + k * ld + c * kLanes, ncol), k0, a0[c]);
+  }
+  for (int c = 0; c < NV; ++c) kv[c] = a0[c] + a1[c];
+}
+
+// One row k of a token's fused pass (see rec_pass); ao / an: the accumulators of this k.
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
+GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* d, float kk, float qk, float kn,
+                            int ncol, VF* ao, VF* an) {
+  const VF vk = vset1(kk), vq = vset1(qk), vn = vset1(kn);
+  for (int c = 0; c < NV; ++c) {
+    const VF sn = vfma(vk, d[c], rec_ld<kFull>(s + c * kLanes, ncol) * va);
+    if (kNT) vstream(dst + c * kLanes, sn);
+    else rec_st<kFull>(dst + c * kLanes, sn, ncol);
+    if (kLoc) vstore(loc + c * kLanes, sn);
+    ao[c] = vfma(sn, vq, ao[c]);
+    if (kNext) an[c] = vfma(sn, vn, an[c]);
+  }
+}
+
+// One token's fused pass over the K rows of a column block:
+//   S' = alpha S + k̂ deltaᵀ, stored to dst (state dtype; kNT: non-temporal) and, if kLoc,
+//   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
+//   Even and odd k accumulate separately.
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
+GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
+                          const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
+                          VF* kvn) {
+  VF o0[NV], o1[NV], n0[NV], n1[NV];
+  for (int c = 0; c < NV; ++c) o0[c] = o1[c] = n0[c] = n1[c] = vzero();
+  const VF va = vset1(alpha);
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
+                                         kNext ? khn[k] : 0.f, ncol, o0, n0);
+    rec_row<NV, kFull, kNext, kLoc, kNT>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
+                                         d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, o1, n1);
+  }
+  if (k < K)
+    rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
+                                         kNext ? khn[k] : 0.f, ncol, o0, n0);
+  for (int c = 0; c < NV; ++c) {
+    o[c] = o0[c] + o1[c];
+    if (kNext) kvn[c] = n0[c] + n1[c];
+  }
+}
+
+// Picks the rec_pass instantiation; non-temporal stores only on full (aligned) pieces.
+template <int NV, bool kFull, class Src, class ST>
+inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
+                         float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
+                         const float* khn, int ncol, VF* o, VF* kvn) {
+#define GDN_REC_PASS(kNext, kLoc, kNT) \
+  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn)
+  if (kFull && nt) {
+    if (next) {
+      if (use_loc) GDN_REC_PASS(true, true, kFull);
+      else GDN_REC_PASS(true, false, kFull);
+    } else {
+      if (use_loc) GDN_REC_PASS(false, true, kFull);
+      else GDN_REC_PASS(false, false, kFull);
+    }
+  } else {
+    if (next) {
+      if (use_loc) GDN_REC_PASS(true, true, false);
+      else GDN_REC_PASS(true, false, false);
+    } else {
+      if (use_loc) GDN_REC_PASS(false, true, false);
+      else GDN_REC_PASS(false, false, false);
+    }
+  }
+#undef GDN_REC_PASS
+}
+
+// The tokens of one group on one column piece (columns [col, col + ncol) of the head).
+// src/s_ld: the state before the group's first token, pointing at column col (the start
+// slot, or loc after an earlier group). keep: the row has tokens after this group; the
+// state after the group's last token is then left in loc.
+// Between tokens the state continues in f32: from loc (bf16 pool, or a slot written with
+// non-temporal stores, which must not be read back), else from the f32 slot just written.
+template <int NV, bool kFull, class A, class ST, class Src>
+inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
+                            int64_t col, int ncol, bool keep, float* loc) {
+  constexpr bool kF32 = std::is_same<ST, float>::value;
+  VF kv[NV], o[NV], d[NV];
+  rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv);
+  bool prev_loc = false;
+  for (int t = 0; t < g.n; ++t) {
+    const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
+    for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<kFull>(g.v[t] + col + c * kLanes, ncol) - va * kv[c]);
+    const bool next = t + 1 < g.n;
+    const bool nt = kFull && g.nt[t];
+    const bool use_loc = (next && (!kF32 || nt)) || (!next && keep);
+    const float* khn = next ? g.kh[t + 1] : nullptr;
+    ST* dst = g.dst[t] + col;
+    if (t == 0) {
+      rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
+                              ncol, o, kv);
+    } else {
+      // loc -> loc in place is safe: each row k is read before it is written.
+      const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
+      const int64_t cont_ld = prev_loc ? kRecBlock : V;
+      rec_pass_any<NV, kFull>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
+                              khn, ncol, o, kv);
+    }
+    for (int c = 0; c < NV; ++c) rec_st<kFull>(g.o[t] + col + c * kLanes, o[c], ncol);
+    prev_loc = use_loc;
+  }
+}
+
+// One column block (w <= kRecBlock columns from col): a full block in one pass per token,
+// a narrower tail as 16-column pieces (same per-column arithmetic).
+template <class A, class ST, class Src>
+inline void rec_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V, int64_t col,
+                      int64_t w, bool keep, float* loc) {
+  if (w == kRecBlock) {
+    rec_group_block<kRecBlockVF, true>(g, src, s_ld, K, V, col, kLanes, keep, loc);
+    return;
+  }
+  for (int64_t off = 0; off < w; off += kLanes) {
+    const int64_t n = rec_min(kLanes, w - off);
+    if (n == kLanes) rec_group_block<1, true>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off);
+    else rec_group_block<1, false>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off);
+  }
+}
+
+// q̂ = q * scale (* rsqrt(sum q^2 + eps) with l2norm), k̂ likewise without the scale.
+template <class A>
+inline void rec_prep(const A* x, int64_t K, float mul, bool l2norm, float eps, float* out) {
+  float f = mul;
+  if (l2norm) {
+    VF ss = vzero();
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) {
+      const VF xv = vload(x + k);
+      ss = vfma(xv, xv, ss);
+    }
+    if (k < K) {
+      const VF xv = vload_n(x + k, int(K - k));
+      ss = vfma(xv, xv, ss);
+    }
+    f = mul * (1.f / std::sqrt(vsum(ss) + eps));
+  }
+  const VF vf = vset1(f);
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) vstore(out + k, vload(x + k) * vf);
+  if (k < K) vstore_n(out + k, vload_n(x + k, int(K - k)) * vf, int(K - k));
+}
+
+template <class A, class ST>
+void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
+  const A* q = static_cast<const A*>(p.q);
+  const A* k = static_cast<const A*>(p.k);
+  const A* v = static_cast<const A*>(p.v);
+  const A* ga = static_cast<const A*>(p.a);
+  const A* gb = static_cast<const A*>(p.b);
+  ST* pool = static_cast<ST*>(p.ssm_state);
+  A* o = static_cast<A*>(p.o);
+  const int32_t* qsl = p.query_start_loc;
+  const int32_t* idx = p.state_indices;
+  const int64_t S = p.S, H = p.H, HV = p.HV, K = p.K, V = p.V, T = p.T, cols = p.index_cols;
+  const int64_t G = HV / H;
+  const int64_t head_elems = K * V;
+
+  // Tokens no row covers: zero output.
+  const int64_t covered = S > 0 ? int64_t(qsl[S]) : 0;
+  if (covered < T) std::memset(o + covered * HV * V, 0, size_t((T - covered) * HV * V) * sizeof(A));
+  if (S == 0 || HV == 0 || V == 0) return;
+
+  // Column blocks per head, split so that small batches still give every thread work.
+  const int64_t nblk = (V + kRecBlock - 1) / kRecBlock;
+  const int64_t want = 4 * int64_t(par.num_threads > 0 ? par.num_threads : 1);
+  int64_t nsplit = (want + S * HV - 1) / (S * HV);
+  if (nsplit > nblk) nsplit = nblk;
+  if (nsplit < 1) nsplit = 1;
+  const int64_t items = S * HV * nsplit;
+  // A slot other than the start slot is written without being read: non-temporal stores
+  // save the read-for-ownership of its lines. Full pieces are then aligned to 16 lanes.
+  const bool stream = reinterpret_cast<uintptr_t>(p.ssm_state) % 64 == 0 && V % kLanes == 0;
+
+  par(items, 1, [&](int64_t it0, int64_t it1) {
+    RecGroup<A, ST> g;
+    alignas(64) float loc[kRecMaxDim * kRecBlock];
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t i = it / (HV * nsplit);
+      const int64_t h = (it / nsplit) % HV;
+      const int64_t sp = it % nsplit;
+      const int64_t c0 = (nblk * sp / nsplit) * kRecBlock;
+      const int64_t c1 = rec_min(V, (nblk * (sp + 1) / nsplit) * kRecBlock);
+      const int64_t j0 = qsl[i], nq = int64_t(qsl[i + 1]) - j0;
+      if (nq <= 0 || c0 >= c1) continue;
+      const int32_t* row = idx + i * cols;
+      if (row[0] == -1) {  // padding row: zero output, nothing read or written
+        for (int64_t t = 0; t < nq; ++t)
+          std::memset(o + ((j0 + t) * HV + h) * V + c0, 0, size_t(c1 - c0) * sizeof(A));
+        continue;
+      }
+      const int64_t kh_idx = h / G;
+      const int32_t acc = p.num_accepted[i];
+      const ST* start = pool + (int64_t(row[acc - 1]) * HV + h) * head_elems;
+      const float neg_decay = -std::exp(p.A_log[h]);
+      const float dtb = p.dt_bias[h];
+
+      auto prepare = [&](int64_t t0, int n) {
+        g.n = n;
+        for (int u = 0; u < n; ++u) {
+          const int64_t t = t0 + u, j = j0 + t;
+          const float gl = neg_decay * softplus(to_f32(ga[j * HV + h]) + dtb);
+          g.alpha[u] = std::exp(gl);
+          g.beta[u] = sigmoid(to_f32(gb[j * HV + h]));
+          g.v[u] = v + (j * HV + h) * V;
+          g.o[u] = o + (j * HV + h) * V;
+          g.dst[u] = pool + (int64_t(row[t]) * HV + h) * head_elems;
+          g.nt[u] = stream && row[t] != row[acc - 1];
+          rec_prep(q + (j * H + kh_idx) * K, K, p.scale, p.l2norm, p.eps, g.qh[u]);
+          rec_prep(k + (j * H + kh_idx) * K, K, 1.f, p.l2norm, p.eps, g.kh[u]);
+        }
+      };
+      const bool one_group = nq <= kRecTokGroup;
+      if (one_group) prepare(0, int(nq));
+
+      for (int64_t col = c0; col < c1; col += kRecBlock) {
+        const int64_t w = rec_min(kRecBlock, c1 - col);
+        for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
+          const int n = int(rec_min(kRecTokGroup, nq - t0));
+          if (!one_group) prepare(t0, n);
+          const bool keep = t0 + n < nq;  // then the group leaves its state in loc
+          if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc);
+          else rec_block(g, static_cast<const float*>(loc), kRecBlock, K, V, col, w, keep, loc);
+        }
+      }
+    }
+    if (stream) vstream_fence();
+  });
+}
+
+inline void recurrent(const RecurrentArgs& p, const Parallel& par) {
+  if (p.act == DType::bf16) {
+    if (p.state == DType::bf16) recurrent_impl<bf16, bf16>(p, par);
+    else recurrent_impl<bf16, float>(p, par);
+  } else {
+    if (p.state == DType::bf16) recurrent_impl<float, bf16>(p, par);
+    else recurrent_impl<float, float>(p, par);
+  }
+}

@@ -103,3 +103,15 @@ inline float vsum(VF a) {
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+
+// Non-temporal store of 16 lanes, for data not read again soon (no read-for-ownership of
+// the destination line). p aligned to 16 elements of its type: 64 B for f32, 32 B for bf16.
+// Same values as vstore. vstream_fence() orders them before later stores.
+inline void vstream(float* p, VF x) {
+  _mm256_stream_ps(p, x.lo);
+  _mm256_stream_ps(p + 8, x.hi);
+}
+inline void vstream(bf16* p, VF x) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(ps_to_bf16x8(x.hi), ps_to_bf16x8(x.lo)));
+}
+inline void vstream_fence() { _mm_sfence(); }

@@ -34,8 +34,9 @@ GDN_VF_BINOP(*)
 GDN_VF_BINOP(/)
 #undef GDN_VF_BINOP
 
-// a * b + c
-inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+// a * b + c. Not std::fma: on a baseline target without FMA hardware that is a slow library
+// call; the compiler may still contract this where the target has FMA.
+inline VF vfma(VF a, VF b, VF c) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
 inline VF vmax(VF a, VF b) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
 inline VF vexp(VF a) { VF r; for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(a.v[i]); return r; }
 // Sum of lanes in a fixed pairwise order (the same on every back end).
@@ -46,3 +47,11 @@ inline float vsum(VF a) {
     for (int i = 0; i < w; ++i) t[i] += t[i + w];
   return t[0];
 }
+
+// Non-temporal store of 16 lanes, for data not read again soon (bypasses the caches on the
+// x86 back ends; p aligned to 16 elements of its type: 64 B for f32, 32 B for bf16). Same
+// values as vstore. vstream_fence() orders them before later stores (call it before other
+// threads may read the data). Here: plain stores, nothing to fence.
+inline void vstream(float* p, VF x) { vstore(p, x); }
+inline void vstream(bf16* p, VF x) { vstore(p, x); }
+inline void vstream_fence() {}

@@ -100,3 +100,10 @@ inline float vsum(VF a) {
   const float32x2_t d = vadd_f32(vget_low_f32(q), vget_high_f32(q));
   return vget_lane_f32(d, 0) + vget_lane_f32(d, 1);
 }
+
+// Non-temporal store of 16 lanes, for data not read again soon (the x86 back ends bypass the
+// caches; p aligned to 16 elements of its type). Same values as vstore. vstream_fence()
+// orders them before later stores. Here: plain stores, nothing to fence.
+inline void vstream(float* p, VF x) { vstore(p, x); }
+inline void vstream(bf16* p, VF x) { vstore(p, x); }
+inline void vstream_fence() {}

@@ -1,0 +1,256 @@
+"""Continuous batching over a small stack of Gated DeltaNet layers (the `make demo` job).
+
+A scaled-down Qwen3-Next-like model with random weights: every layer is a GDN block
+(RMSNorm -> in_proj -> GDN attention core -> gated RMSNorm -> out_proj, residual). Requests
+arrive, are prefilled in chunks, then decode one token per step (plain rows) or verify
+drafts (speculative rows, with a toy acceptance rule), and finish; their cache slots are
+reused. Every step is ONE call of the mixed step per layer (prefill, decode and spec rows
+together), compiled once for the (tokens, rows) bucket.
+
+The native kernels and the pure-jnp reference run in lockstep on the same inputs: the
+closing table gives tokens/s for each, and the run fails (exit 1) if they disagree.
+
+    PYTHONPATH=. python examples/serving_loop.py            # the demo
+    PYTHONPATH=. python examples/serving_loop.py --quick    # a few seconds of compute
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gdn_jax
+from gdn_jax.batch import BatchBuilder, Request
+from gdn_jax.config import GDNCache, GDNConfig, GDNParams
+from gdn_jax.paths import GDNAttention, check_status
+
+VOCAB = 512
+
+
+# --- the model around the attention core -----------------------------------------------------
+
+
+def init_model(cfg: GDNConfig, hidden: int, layers: int, key):
+    keys = jax.random.split(key, layers + 1)
+    emb = jax.random.normal(keys[0], (VOCAB, hidden), jnp.float32)
+    out = []
+    for k in keys[1:]:
+        k1, k2, k3, k4 = jax.random.split(k, 4)
+        nz = cfg.HV * cfg.V
+        out.append(dict(
+            gdn=GDNParams.random(cfg, k1),
+            w_qkvz=(jax.random.normal(k2, (hidden, cfg.D + nz)) / np.sqrt(hidden)).astype(cfg.act_dtype),
+            w_ba=(jax.random.normal(k3, (hidden, 2 * cfg.HV)) / np.sqrt(hidden)).astype(cfg.act_dtype),
+            w_out=(jax.random.normal(k4, (nz, hidden)) / np.sqrt(nz)).astype(cfg.act_dtype),
+        ))
+    return emb, out
+
+
+def _rms(x, eps=1e-6):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def make_blocks(cfg: GDNConfig):
+    """Jitted projections before and after the attention core of one layer."""
+    D, HV, V = cfg.D, cfg.HV, cfg.V
+
+    @jax.jit
+    def pre(h, lp):
+        x = _rms(h).astype(cfg.act_dtype)
+        qkvz = x @ lp["w_qkvz"]
+        ba = x @ lp["w_ba"]
+        return qkvz[:, :D], qkvz[:, D:], ba[:, :HV], ba[:, HV:]     # mixed_qkv, z, b, a
+
+    @jax.jit
+    def post(h, core, z, lp):
+        T = core.shape[0]
+        g = _rms(core) * jax.nn.silu(z.reshape(T, HV, V).astype(jnp.float32))   # gated RMSNorm per head
+        return h + (g.reshape(T, HV * V).astype(cfg.act_dtype) @ lp["w_out"]).astype(jnp.float32)
+
+    return pre, post
+
+
+class Model:
+    def __init__(self, cfg, emb, layers, impl, num_slots):
+        self.cfg, self.emb, self.layers = cfg, emb, layers
+        self.attn = GDNAttention(cfg, impl)
+        self.caches = [GDNCache.create(cfg, num_slots) for _ in layers]
+        self.pre, self.post = make_blocks(cfg)
+
+    def step(self, tokens, batch):
+        """tokens [T] int32 -> logits [T, VOCAB] f32; every layer's cache updated in place."""
+        h = self.emb[tokens]
+        statuses = []
+        for i, lp in enumerate(self.layers):
+            mixed, z, b, a = self.pre(h, lp)
+            core, self.caches[i], st = self.attn.gdn_attention_core_with_status(
+                mixed, b, a, lp["gdn"], self.caches[i], batch)
+            statuses.append(st)
+            h = self.post(h, core, z, lp)
+        for i, st in enumerate(statuses):   # checked once per step, after dispatching all layers
+            check_status(f"layer {i}", st, caches=self.caches[i])
+        return _rms(h) @ self.emb.T
+
+
+# --- the serving loop ------------------------------------------------------------------------
+
+
+class Live:
+    def __init__(self, rid, slots, prompt, max_new, spec):
+        self.id, self.slots, self.prompt, self.max_new, self.spec = rid, slots, prompt, max_new, spec
+        self.done = 0            # prompt tokens prefilled
+        self.generated = []      # accepted output tokens
+        self.acc = 1             # num_accepted for the next spec row
+        self.next = None         # the next token to feed (after the prompt)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64, help="token bucket T")
+    ap.add_argument("--rows", type=int, default=8, help="row bucket S")
+    ap.add_argument("--slots", type=int, default=32, help="cache slots per layer")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few steps (tests)")
+    ap.add_argument("--impls", default="native,reference", help="comma list; the first drives the schedule")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tol", type=float, default=2e-2, help="max relative RMSE between the impls' logits")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.layers = min(args.steps, 12), min(args.layers, 2)
+        args.tokens, args.rows, args.slots = 32, 4, 16
+        cfg = GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32, num_spec=2)
+        hidden = 64
+    else:   # Qwen3-Next per layer: H=16, HV=32, K=V=128, W=4, bf16 activations, f32 state
+        cfg = GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, num_spec=2)
+        hidden = 256
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    if "native" in impls and not gdn_jax.native_available():
+        print("native extension not built: running the reference only (make build)")
+        impls = [i for i in impls if i != "native"] or ["reference"]
+    isa = gdn_jax.selected_isa() if "native" in impls else "-"
+    print(f"GDN serving loop: {args.layers} layers, H={cfg.H} HV={cfg.HV} K={cfg.K} V={cfg.V} D={cfg.D} "
+          f"num_spec={cfg.num_spec}, bucket T={args.tokens} S={args.rows}, {args.slots} slots; impls {impls} "
+          f"(native ISA: {isa})")
+
+    emb, layers = init_model(cfg, hidden, args.layers, jax.random.PRNGKey(args.seed))
+    models = {impl: Model(cfg, emb, layers, impl, args.slots) for impl in impls}
+    builder = BatchBuilder(num_slots=args.slots, num_spec=cfg.num_spec, token_bucket=args.tokens,
+                           row_bucket=args.rows)
+    rng = np.random.default_rng(args.seed)
+    C = cfg.spec_cols
+    free = list(range(args.slots))
+    live, next_id, finished = [], 0, 0
+    times = {impl: 0.0 for impl in impls}
+    compile_s = {impl: 0.0 for impl in impls}
+    real_tokens = generated = 0
+    worst = 0.0
+    kinds = dict(prefill=0, decode=0, spec=0)
+
+    tty = sys.stdout.isatty()
+    for step in range(args.steps):
+        # arrivals: a request takes num_spec + 1 slots (spec rows index-scatter their states)
+        while len(live) < args.rows + 2 and len(free) >= C and rng.random() < 0.5:
+            slots = tuple(free.pop(int(rng.integers(len(free)))) for _ in range(C))
+            prompt = rng.integers(0, VOCAB, int(rng.integers(4, 2 * args.tokens)))
+            live.append(Live(next_id, slots, prompt, int(rng.integers(3, 12)), spec=rng.random() < 0.6))
+            next_id += 1
+        # schedule this step's rows within the bucket (chunked prefill when the budget runs out)
+        reqs, feed, owners, budget = [], [], [], args.tokens
+        for r in live:
+            if len(reqs) == args.rows or budget == 0:
+                break
+            if r.done < len(r.prompt):
+                n = min(len(r.prompt) - r.done, budget)
+                reqs.append(Request.prefill(r.slots[0], n, has_initial_state=r.done > 0, id=r.id))
+                feed.append(r.prompt[r.done:r.done + n])
+            elif r.spec:
+                q = min(1 + int(rng.integers(0, cfg.num_spec + 1)), budget)   # 1 + drafts
+                drafts = rng.integers(0, VOCAB, q - 1)                        # a toy drafter
+                reqs.append(Request.spec(r.slots, q, num_accepted=r.acc, id=r.id))
+                feed.append(np.concatenate([[r.next], drafts]))
+            else:
+                reqs.append(Request.decode(r.slots[0], id=r.id))
+                feed.append(np.array([r.next]))
+            budget -= reqs[-1].num_tokens
+            owners.append(r)
+        hb = builder.build(reqs)
+        tokens = jnp.asarray(hb.pack(feed, np.int32)) if reqs else jnp.zeros((args.tokens,), jnp.int32)
+        meta = hb.metadata.to_device()
+        logits = {}
+        for impl, model in models.items():
+            t0 = time.perf_counter()
+            logits[impl] = np.asarray(model.step(tokens, meta))
+            dt = time.perf_counter() - t0
+            if step == 0:
+                compile_s[impl] = dt            # first step: compilation
+            else:
+                times[impl] += dt
+        if step > 0:
+            real_tokens += hb.num_tokens
+        if len(impls) > 1:
+            ref, other = logits[impls[0]][:hb.num_tokens], logits[impls[1]][:hb.num_tokens]
+            if hb.num_tokens:
+                err = float(np.sqrt(np.mean((ref - other) ** 2)) / max(np.sqrt(np.mean(other ** 2)), 1e-30))
+                worst = np.nan if np.isnan(err) or np.isnan(worst) else max(worst, err)
+        # advance the requests from the first impl's logits (greedy)
+        out = hb.unpack(logits[impls[0]])
+        for r, rq, lg, fed in zip(owners, reqs, out, feed):
+            kinds[rq.kind] += 1
+            pred = lg.argmax(-1)
+            if rq.kind == "prefill":
+                r.done += rq.num_tokens
+                if r.done == len(r.prompt):
+                    r.next, r.acc = int(pred[-1]), 1
+            elif rq.kind == "spec":
+                # toy acceptance: each draft is accepted with probability 0.6 until the first reject
+                acc = 1
+                while acc < rq.num_tokens and rng.random() < 0.6:
+                    acc += 1
+                r.generated += [int(t) for t in fed[:acc]]
+                r.acc, r.next = acc, int(pred[acc - 1])
+            else:
+                r.generated.append(r.next)
+                r.next = int(pred[-1])
+        for r in list(live):
+            if len(r.generated) >= r.max_new:
+                live.remove(r)
+                free.extend(r.slots)
+                finished += 1
+                generated += len(r.generated)
+        line = (f"step {step + 1:3d}/{args.steps}  rows: {sum(q.kind == 'prefill' for q in reqs)} prefill "
+                f"{sum(q.kind == 'decode' for q in reqs)} decode {sum(q.kind == 'spec' for q in reqs)} spec  "
+                f"tokens {hb.num_tokens:3d}/{args.tokens}  live {len(live):2d}  finished {finished:3d}")
+        if tty:
+            print("\r" + line, end="", flush=True)
+        elif step % 10 == 9 or step == args.steps - 1:
+            print(line, flush=True)
+    if tty:
+        print()
+
+    counts = {impl: m.attn.compiled_count()["gdn_attention_core"] for impl, m in models.items()}
+    print(f"\nrows served: {kinds}; requests finished: {finished}; one executable per impl: {counts}")
+    print(f"{'impl':<10} {'compile s':>10} {'steps s':>9} {'tokens':>7} {'tokens/s':>10}")
+    for impl in impls:
+        tps = real_tokens / times[impl] if times[impl] else float("nan")
+        print(f"{impl:<10} {compile_s[impl]:>10.2f} {times[impl]:>9.2f} {real_tokens:>7d} {tps:>10.0f}")
+    if len(impls) > 1:
+        print(f"speed-up {impls[0]} vs {impls[1]}: {times[impls[1]] / max(times[impls[0]], 1e-9):.1f}x")
+        ok = bool(worst <= args.tol)     # False for NaN
+        print(f"agreement {impls[0]} vs {impls[1]}: max relative RMSE of the logits {worst:.2e} "
+              f"(limit {args.tol:.0e}): {'OK' if ok else 'MISMATCH'}")
+        if not ok:
+            return 1
+    if any(c != 1 for c in counts.values()):
+        print("expected one compiled executable per impl")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Every example runs (in a small configuration) and reports success.
+
+Each runs in a subprocess with PYTHONPATH set to the repository root, on the reference and
+on the native kernels (the native runs follow serve_helpers' switch, see IMPLS there).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from serve_helpers import NATIVE_REASON, NATIVE_READY, ROOT
+
+EXAMPLES = ROOT / "examples"
+
+
+def _run(script, *args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+native = pytest.mark.skipif(not NATIVE_READY, reason=NATIVE_REASON)
+# The small examples run on the native kernels once they are in (the reference is held to the
+# same results by test_paths.py), else on the reference.
+IMPL_ARGS = [pytest.param("native", id="native") if NATIVE_READY else pytest.param("reference", id="reference")]
+
+
+def test_every_example_is_tested():
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["prefill_then_decode.py", "serving_loop.py",
+                                                             "speculative_decode.py"]
+
+
+@native
+def test_serving_loop_native_vs_reference():
+    out = _run("serving_loop.py", "--quick")
+    assert "agreement native vs reference" in out and ": OK" in out
+    assert "tokens/s" in out and "one executable per impl: {'native': 1, 'reference': 1}" in out
+
+
+@pytest.mark.skipif(NATIVE_READY, reason="covered by test_serving_loop_native_vs_reference")
+def test_serving_loop_reference_only():
+    out = _run("serving_loop.py", "--quick", "--impls", "reference", "--steps", "8")
+    assert "reference" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("impl", IMPL_ARGS)
+def test_prefill_then_decode(impl):
+    out = _run("prefill_then_decode.py", "--impl", impl, "--decode-steps", "3")
+    assert out.strip().endswith("OK")
+
+
+@pytest.mark.parametrize("impl", IMPL_ARGS)
+def test_speculative_decode(impl):
+    out = _run("speculative_decode.py", "--impl", impl, "--steps", "4")
+    assert "commit_accepted" in out and out.strip().endswith("OK")
