@@ -6,7 +6,6 @@ conv state, which only ever holds copies of inputs, must match the float64 model
 and every slot or row the batch does not name must be bit-identical afterwards.
 """
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -352,7 +351,7 @@ def test_paths_agree_bit_for_bit(dtype, layout):
                                               _bits(_slot_rows(cs_ref, layout))[1, :W])
 
 
-# --- the full grid: exhaustive under GDN_JAX_SLOW=1 / -m slow, a fixed sample by default ------
+# --- the full grid: exhaustive under GDN_JAX_SLOW=1 / -m slow (conftest), a fixed sample by default
 
 GRID = [(dt, lay, W, D, silu, bias) for dt in DTYPES for lay in ("SD", "DS") for W in (2, 3, 4)
         for D in (1, 7, 16, 17, 256, 257, 513) for silu in (True, False) for bias in (True, False)]
@@ -362,10 +361,6 @@ GRID_SAMPLE = [GRID[i] for i in np.random.default_rng(2024).choice(len(GRID), 6,
 def _grid_id(case):
     dt, lay, W, D, silu, bias = case
     return f"{jnp.dtype(dt).name}-{lay}-W{W}-D{D}-{'silu' if silu else 'id'}-{'bias' if bias else 'nobias'}"
-
-
-def _slow_enabled(request):
-    return bool(os.environ.get("GDN_JAX_SLOW")) or "slow" in (request.config.getoption("-m") or "")
 
 
 def _grid_case(dtype, layout, W, D, silu, with_bias):
@@ -392,9 +387,7 @@ def test_grid_sampled(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", GRID, ids=_grid_id)
-def test_grid_exhaustive(request, case):
-    if not _slow_enabled(request):
-        pytest.skip("exhaustive: run with GDN_JAX_SLOW=1 or -m slow (sampled by default)")
+def test_grid_exhaustive(case):
     _grid_case(*case)
 
 
@@ -530,12 +523,10 @@ def test_update_bad_batch_refused(case, layout):
 @pytest.mark.parametrize("dtype,layout", [(jnp.float32, "SD"), (jnp.bfloat16, "DS"),
                                           pytest.param(jnp.float32, "DS", marks=pytest.mark.slow),
                                           pytest.param(jnp.bfloat16, "SD", marks=pytest.mark.slow)])
-def test_native_matches_reference(request, dtype, layout):
+def test_native_matches_reference(dtype, layout):
     """Both implementations are within budget of float64 and of each other; the pools they
     return are identical (copies of exact inputs). Two layout/dtype pairs by default (the
     reference takes seconds to compile), all four when exhaustive."""
-    if request.node.get_closest_marker("slow") and not _slow_enabled(request):
-        pytest.skip("exhaustive: run with GDN_JAX_SLOW=1 or -m slow (sampled by default)")
     rng = np.random.default_rng(15)
     D, W = 300, 4
     w, b = _params(rng, D, W, True)
