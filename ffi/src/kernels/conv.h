@@ -55,10 +55,18 @@ inline VF conv_tap(const float* weight, int64_t W, int64_t c, int n, int64_t i) 
 template <int W>
 inline void conv_taps_t(const float* weight, int64_t c0, int64_t c1, float* wt) {
   const int64_t nc = c1 - c0, padded = (nc + kLanes - 1) / kLanes * kLanes;
-  for (int64_t c = 0; c < nc; ++c)
-    for (int i = 0; i < W; ++i) wt[i * kConvChanBlock + c] = weight[(c0 + c) * W + i];
+  const float* src = weight + c0 * W;
+  for (int i = 0; i < W; ++i)
+    for (int64_t c = 0; c < nc; ++c) wt[i * kConvChanBlock + c] = src[c * W + i];
   for (int i = 0; i < W; ++i)
     for (int64_t c = nc; c < padded; ++c) wt[i * kConvChanBlock + c] = 0.f;
+}
+
+// n (<= 16) contiguous elements, bit for bit.
+template <class T>
+inline void conv_copy_vec(T* dst, const T* src, int n) {
+  if (n == kLanes) std::memcpy(static_cast<void*>(dst), src, kLanes * sizeof(T));
+  else std::memcpy(static_cast<void*>(dst), src, size_t(n) * sizeof(T));
 }
 
 template <bool SILU>
@@ -335,13 +343,18 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
       const T* xp = x + start * D + c;
       if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(p.bias + c), e3, e2, e1, xp, y + start * D + c, D, q, n);
       else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xp, y + start * D + c, D, q, n);
-      // Row j <- window[j+1] (j < W-2), then row W-2+k <- x_row[k].
-      if constexpr (W == 4) {
-        conv_store_row(st, cs, e2, n);
-        conv_store_row(st + ts, cs, e1, n);
+      // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
+      if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
+        for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
+        for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_copy_vec(st + (W - 2 + k) * ts, xp + k * D, n);
+      } else {
+        if constexpr (W == 4) {
+          conv_store_row(st, cs, e2, n);
+          conv_store_row(st + ts, cs, e1, n);
+        }
+        if constexpr (W == 3) conv_store_row(st, cs, e1, n);
+        for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(xp + k * D, n), n);
       }
-      if constexpr (W == 3) conv_store_row(st, cs, e1, n);
-      for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(xp + k * D, n), n);
     }
   }
 }
