@@ -1,6 +1,422 @@
 // Causal depthwise conv1d: varlen prefill (conv_fwd) and decode / spec rolling-buffer
-// update (conv_update). Included inside the ISA namespace.
-// PLACEHOLDER: implemented in the native-kernels work (issue 3).
+// update (conv_update). Included inside the ISA namespace. Design notes: ffi/README.md,
+// "Causal conv1d".
+//
+// Channels are the SIMD dimension (16 lanes); every output is
+//   act(bias + w[0] * x~[t-W+1] + ... + w[W-1] * x~[t])
+// accumulated in f32 in that fixed order (bias first, one fma per tap), so its bits do not
+// depend on how the work is split into items or threads. For W <= 4 the taps of a
+// 16-channel vector and a window of the W-1 previous inputs live in named registers that
+// slide down the tokens (each x row is loaded once per run). Other widths (reachable only
+// through the raw FFI target; the ops allow 2..4) take a slow generic path.
 
-inline void conv_fwd(const ConvArgs&, const Parallel&) {}
-inline void conv_update(const ConvArgs&, const Parallel&) {}
+// GCC leaves the vector primitives (vstore, exp8, ...) out of line in these large template
+// functions and passes VF through memory; flatten inlines every call in the item functions.
+#define GDN_CONV_HOT __attribute__((flatten))
+
+constexpr int64_t kConvTokBlock = 64;    // prefill item: tokens x kConvChanBlock channels
+constexpr int64_t kConvChanBlock = 256;  // channels per item (prefill and update)
+constexpr int64_t kConvRowGroup = 8;     // update item: rows x kConvChanBlock channels
+constexpr int64_t kConvRun = 4;          // prefill: tokens per register-window run
+
+// --- helpers ------------------------------------------------------------------------------
+
+// n (<= 16) channels of one state row: contiguous (SD) or strided (DS).
+template <class T>
+inline VF conv_load_row(const T* p, int64_t chan_stride, int n) {
+  if (chan_stride == 1) return vload_n(p, n);
+  float t[kLanes];
+  for (int i = 0; i < kLanes; ++i) t[i] = 0.f;
+  for (int i = 0; i < n; ++i) t[i] = to_f32(p[i * chan_stride]);
+  return vload(t);
+}
+
+template <class T>
+inline void conv_store_row(T* p, int64_t chan_stride, VF v, int n) {
+  if (chan_stride == 1) {
+    vstore_n(p, v, n);
+    return;
+  }
+  float t[kLanes];
+  vstore(t, v);
+  for (int i = 0; i < n; ++i) store1(p + i * chan_stride, t[i]);
+}
+
+// Tap i of channels [c, c+n) from weight [D, W] (lanes >= n are zero). Generic path only.
+inline VF conv_tap(const float* weight, int64_t W, int64_t c, int n, int64_t i) {
+  float t[kLanes];
+  for (int k = 0; k < kLanes; ++k) t[k] = 0.f;
+  for (int k = 0; k < n; ++k) t[k] = weight[(c + k) * W + i];
+  return vload(t);
+}
+
+// Taps of channels [c0, c1) transposed to wt[i * kConvChanBlock + (c - c0)], zero-padded to
+// whole vectors, so that each 16-channel tap is one load. Built once per item.
+template <int W>
+inline void conv_taps_t(const float* weight, int64_t c0, int64_t c1, float* wt) {
+  const int64_t nc = c1 - c0, padded = (nc + kLanes - 1) / kLanes * kLanes;
+  for (int64_t c = 0; c < nc; ++c)
+    for (int i = 0; i < W; ++i) wt[i * kConvChanBlock + c] = weight[(c0 + c) * W + i];
+  for (int i = 0; i < W; ++i)
+    for (int64_t c = nc; c < padded; ++c) wt[i * kConvChanBlock + c] = 0.f;
+}
+
+template <bool SILU>
+inline VF conv_act(VF a) {
+  if (SILU) return a / (vset1(1.f) + vexp(vzero() - a));  // a * sigmoid(a), one division
+  return a;
+}
+inline VF conv_act_rt(VF a, bool silu) { return silu ? conv_act<true>(a) : a; }
+
+template <class T>
+inline void conv_zero_rows(T* y, int64_t D, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
+  for (int64_t t = t0; t < t1; ++t) std::memset(static_cast<void*>(y + t * D + c0), 0, size_t(c1 - c0) * sizeof(T));
+}
+
+// The hot loop: `count` tokens of one 16-channel vector, W <= 4. e_k = x~[t-k] for the first
+// token t (unused ones zero); tap i is at wtc[i * kConvChanBlock]. The window is kept in
+// named variables rather than an array: GCC 12 spills a rotated array of VF through the
+// stack and general registers (and ICEs in SRA on some shapes of it).
+template <class T, int W, bool SILU, bool FULL>
+inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp, T* yp, int64_t D,
+                        int64_t count, int n) {
+  static_assert(W >= 1 && W <= 4, "conv_tokens handles W <= 4");
+  const VF u0 = vload(wtc + (W - 1) * kConvChanBlock);  // u_k multiplies x~[t-k]
+  VF u1 = vzero(), u2 = vzero(), u3 = vzero();
+  if constexpr (W >= 2) u1 = vload(wtc + (W - 2) * kConvChanBlock);
+  if constexpr (W >= 3) u2 = vload(wtc + (W - 3) * kConvChanBlock);
+  if constexpr (W >= 4) u3 = vload(wtc + (W - 4) * kConvChanBlock);
+  for (int64_t t = 0; t < count; ++t, xp += D, yp += D) {
+    const VF xv = FULL ? vload(xp) : vload_n(xp, n);
+    VF acc = b;  // bias, then taps 0 .. W-1 (oldest input first)
+    if constexpr (W >= 4) acc = vfma(u3, e3, acc);
+    if constexpr (W >= 3) acc = vfma(u2, e2, acc);
+    if constexpr (W >= 2) acc = vfma(u1, e1, acc);
+    acc = vfma(u0, xv, acc);
+    e3 = e2;
+    e2 = e1;
+    e1 = xv;
+    acc = conv_act<SILU>(acc);
+    if (FULL) vstore(yp, acc);
+    else vstore_n(yp, acc, n);
+  }
+}
+
+// --- prefill ------------------------------------------------------------------------------
+
+// x~ row `pos` (a token position; pos < seq_start reads the prior) for channels [c, c+n).
+template <class T>
+inline VF conv_fwd_xt(const ConvArgs& p, const T* x, const T* st, int64_t seq_start, bool has_init,
+                      int64_t pos, int64_t c, int n) {
+  if (pos >= seq_start) return vload_n(x + pos * p.D + c, n);
+  if (!has_init) return vzero();
+  const int64_t k = pos - seq_start + (p.W - 1);  // prior row, in [0, W-1)
+  return conv_load_row(st + k * p.time_stride + c * p.chan_stride, p.chan_stride, n);
+}
+
+// One prefill item: output tokens [t0, t1) x channels [c0, c1). Reads x and the old state
+// of the sequences it overlaps; writes only y. Each sequence's part is swept in runs of
+// kConvRun tokens; within a run the channel vectors go left to right (kConvRun contiguous
+// row streams) and each slides its register window down the run, seeded from the x rows
+// above (or, at a sequence start, from the prior).
+template <class T, int W, bool SILU>
+GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const T* state = static_cast<const T*>(p.conv_state);
+  const int32_t* qsl = p.query_start_loc;
+  const int64_t D = p.D, total = qsl[p.S];
+  const int64_t tz = t0 > total ? t0 : (t1 < total ? t1 : total);  // [tz, t1): no row covers them
+  conv_zero_rows(y, D, tz, t1, c0, c1);
+  if (t0 >= tz) return;
+  alignas(64) float wt[W * kConvChanBlock];
+  conv_taps_t<W>(p.weight, c0, c1, wt);
+  // First sequence holding token t0: qsl[s] <= t0 < qsl[s+1].
+  int64_t lo = 0, hi = p.S;  // invariant: qsl[lo] <= t0 < qsl[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (qsl[mid] <= t0) lo = mid;
+    else hi = mid;
+  }
+  int64_t s = lo;
+  for (int64_t t = t0; t < tz;) {
+    while (qsl[s + 1] <= t) ++s;
+    const int64_t e = qsl[s + 1] < tz ? qsl[s + 1] : tz, start = qsl[s];
+    const int32_t slot = p.state_indices[s];
+    if (slot < 0) {
+      conv_zero_rows(y, D, t, e, c0, c1);
+      t = e;
+      continue;
+    }
+    const T* st = state + slot * p.slot_stride;
+    const bool init = p.has_initial_state[s];
+    for (int64_t u = t; u < e; u += kConvRun) {
+      const int64_t count = e - u < kConvRun ? e - u : kConvRun;
+      const T* xr = x + u * D;
+      T* yr = y + u * D;
+      if (u - (W - 1) >= start) {  // window inside the sequence: straight from the x rows above
+        int64_t c = c0;
+        for (; c + kLanes <= c1; c += kLanes) {
+          const T* xp = xr + c;
+          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+          if constexpr (W >= 2) e1 = vload(xp - D);
+          if constexpr (W >= 3) e2 = vload(xp - 2 * D);
+          if constexpr (W >= 4) e3 = vload(xp - 3 * D);
+          conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(p.bias + c), e3, e2, e1, xp, yr + c, D, count, kLanes);
+        }
+        if (c < c1) {
+          const int n = int(c1 - c);
+          const T* xp = xr + c;
+          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+          if constexpr (W >= 2) e1 = vload_n(xp - D, n);
+          if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
+          if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
+          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xp, yr + c, D, count, n);
+        }
+      } else {  // the window reaches into the prior (state rows or zeros)
+        for (int64_t c = c0; c < c1; c += kLanes) {
+          const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+          if constexpr (W >= 2) e1 = conv_fwd_xt(p, x, st, start, init, u - 1, c, n);
+          if constexpr (W >= 3) e2 = conv_fwd_xt(p, x, st, start, init, u - 2, c, n);
+          if constexpr (W >= 4) e3 = conv_fwd_xt(p, x, st, start, init, u - 3, c, n);
+          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xr + c, yr + c, D, count, n);
+        }
+      }
+    }
+    t = e;
+  }
+}
+
+// Any W (slow; the public ops only allow 2..4): taps and x~ fetched per use.
+template <class T>
+void conv_fwd_block_any(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const T* state = static_cast<const T*>(p.conv_state);
+  const int32_t* qsl = p.query_start_loc;
+  const int64_t D = p.D, W = p.W, total = qsl[p.S];
+  const int64_t tz = t0 > total ? t0 : (t1 < total ? t1 : total);
+  conv_zero_rows(y, D, tz, t1, c0, c1);
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t a = qsl[s] > t0 ? qsl[s] : t0, e = qsl[s + 1] < tz ? qsl[s + 1] : tz;
+    if (a >= e) continue;
+    const int32_t slot = p.state_indices[s];
+    if (slot < 0) {
+      conv_zero_rows(y, D, a, e, c0, c1);
+      continue;
+    }
+    const T* st = state + slot * p.slot_stride;
+    for (int64_t c = c0; c < c1; c += kLanes) {
+      const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+      const VF b = vload_n(p.bias + c, n);
+      for (int64_t t = a; t < e; ++t) {
+        VF acc = b;
+        for (int64_t i = 0; i < W; ++i)
+          acc = vfma(conv_tap(p.weight, W, c, n, i),
+                     conv_fwd_xt(p, x, st, qsl[s], p.has_initial_state[s], t - (W - 1) + i, c, n), acc);
+        vstore_n(y + t * D + c, conv_act_rt(acc, p.silu), n);
+      }
+    }
+  }
+}
+
+// State pass (after every output is written): rows [0, W-1) of sequence s's slot, channels
+// [c0, c1), get the last W-1 rows of prior ++ x_seq. Row j takes x~ row n+j > j, so going up
+// in j reads each old row before it is overwritten.
+template <class T>
+void conv_fwd_state(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
+  const int32_t slot = p.state_indices[s];
+  const int64_t start = p.query_start_loc[s], n = p.query_start_loc[s + 1] - start;
+  if (slot < 0 || n == 0) return;
+  const T* x = static_cast<const T*>(p.x);
+  T* st = static_cast<T*>(p.conv_state) + slot * p.slot_stride;
+  const int64_t W = p.W, cs = p.chan_stride, ts = p.time_stride, nc = c1 - c0;
+  const bool init = p.has_initial_state[s];
+  for (int64_t j = 0; j < W - 1; ++j) {
+    const int64_t k = n + j;  // x~ row
+    T* dst = st + j * ts + c0 * cs;
+    const T* src;
+    int64_t src_stride;
+    if (k >= W - 1) {
+      src = x + (start + k - (W - 1)) * p.D + c0;
+      src_stride = 1;
+    } else if (init) {
+      src = st + k * ts + c0 * cs;
+      src_stride = cs;
+    } else {
+      src = nullptr;
+      src_stride = 0;
+    }
+    if (cs == 1) {
+      if (src) std::memcpy(static_cast<void*>(dst), src, size_t(nc) * sizeof(T));
+      else std::memset(static_cast<void*>(dst), 0, size_t(nc) * sizeof(T));
+    } else {
+      for (int64_t c = 0; c < nc; ++c) {
+        if (src) dst[c * cs] = src[c * src_stride];
+        else std::memset(static_cast<void*>(dst + c * cs), 0, sizeof(T));
+      }
+    }
+  }
+}
+
+template <class T>
+void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
+  const int64_t nT = (p.T + kConvTokBlock - 1) / kConvTokBlock;
+  const int64_t nC = (p.D + kConvChanBlock - 1) / kConvChanBlock;
+  auto outputs = [&](auto block) {
+    par(nT * nC, 1, [&](int64_t b, int64_t e) {
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t tb = it / nC, cb = it % nC;
+        const int64_t t0 = tb * kConvTokBlock, t1 = t0 + kConvTokBlock < p.T ? t0 + kConvTokBlock : p.T;
+        const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
+        block(p, t0, t1, c0, c1);
+      }
+    });
+  };
+  switch (p.W * 2 + (p.silu ? 1 : 0)) {
+    case 2: outputs(conv_fwd_block<T, 1, false>); break;
+    case 3: outputs(conv_fwd_block<T, 1, true>); break;
+    case 4: outputs(conv_fwd_block<T, 2, false>); break;
+    case 5: outputs(conv_fwd_block<T, 2, true>); break;
+    case 6: outputs(conv_fwd_block<T, 3, false>); break;
+    case 7: outputs(conv_fwd_block<T, 3, true>); break;
+    case 8: outputs(conv_fwd_block<T, 4, false>); break;
+    case 9: outputs(conv_fwd_block<T, 4, true>); break;
+    default: outputs(conv_fwd_block_any<T>); break;
+  }
+  // Second pass: every output that reads a slot's old rows is done before any slot is written.
+  if (p.W <= 1) return;
+  par(p.S * nC, 16, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t s = it / nC, cb = it % nC;
+      const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
+      conv_fwd_state<T>(p, s, c0, c1);
+    }
+  });
+}
+
+inline void conv_fwd(const ConvArgs& p, const Parallel& par) {
+  if (p.act == DType::bf16) conv_fwd_impl<bf16>(p, par);
+  else conv_fwd_impl<float>(p, par);
+}
+
+// --- decode / spec rolling buffer ---------------------------------------------------------
+
+// One update item: rows [s0, s1) x channels [c0, c1). Per row and 16-channel vector: the
+// window = slot rows [acc-1, acc-1+W-1) is read into registers, the outputs over
+// window ++ x_row are computed, then rows [0, W-2+q) = window[1:] ++ x_row are written.
+// The window is in registers before the rewrite, and each item owns its channels of the
+// row's slot (slots are distinct), so the in-place rewrite never feeds back into a read.
+template <class T, int W, bool SILU>
+GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const int64_t D = p.D, ts = p.time_stride, cs = p.chan_stride;
+  alignas(64) float wt[W * kConvChanBlock];
+  conv_taps_t<W>(p.weight, c0, c1, wt);
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
+    if (q == 0) continue;
+    const int32_t slot = p.state_indices[s];
+    if (slot < 0) {
+      conv_zero_rows(y, D, start, start + q, c0, c1);
+      continue;
+    }
+    const int64_t acc = p.num_accepted[s];
+    for (int64_t c = c0; c < c1; c += kLanes) {
+      const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+      T* st = static_cast<T*>(p.conv_state) + slot * p.slot_stride + c * cs;
+      const T* win = st + (acc - 1) * ts;  // window[j] = row acc-1+j; e_k = window[W-1-k]
+      VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+      if constexpr (W >= 2) e1 = conv_load_row(win + (W - 2) * ts, cs, n);
+      if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
+      if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
+      const T* xp = x + start * D + c;
+      if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(p.bias + c), e3, e2, e1, xp, y + start * D + c, D, q, n);
+      else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xp, y + start * D + c, D, q, n);
+      // Row j <- window[j+1] (j < W-2), then row W-2+k <- x_row[k].
+      if constexpr (W == 4) {
+        conv_store_row(st, cs, e2, n);
+        conv_store_row(st + ts, cs, e1, n);
+      }
+      if constexpr (W == 3) conv_store_row(st, cs, e1, n);
+      for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(xp + k * D, n), n);
+    }
+  }
+}
+
+// Any W (slow): all outputs first (reading the old rows), then rows j = 0, 1, ... take old row
+// acc+j > j, which no earlier write touched.
+template <class T>
+void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const int64_t D = p.D, W = p.W, ts = p.time_stride, cs = p.chan_stride;
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
+    if (q == 0) continue;
+    const int32_t slot = p.state_indices[s];
+    if (slot < 0) {
+      conv_zero_rows(y, D, start, start + q, c0, c1);
+      continue;
+    }
+    const int64_t acc = p.num_accepted[s];
+    for (int64_t c = c0; c < c1; c += kLanes) {
+      const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+      T* st = static_cast<T*>(p.conv_state) + slot * p.slot_stride + c * cs;
+      const VF b = vload_n(p.bias + c, n);
+      for (int64_t t = 0; t < q; ++t) {
+        VF a = b;
+        for (int64_t i = 0; i < W; ++i) {
+          const int64_t k = t + i;  // x~ row: window rows first, then x_row
+          const VF v = k < W - 1 ? conv_load_row(st + (acc - 1 + k) * ts, cs, n)
+                                 : vload_n(x + (start + k - (W - 1)) * D + c, n);
+          a = vfma(conv_tap(p.weight, W, c, n, i), v, a);
+        }
+        vstore_n(y + (start + t) * D + c, conv_act_rt(a, p.silu), n);
+      }
+      for (int64_t j = 0; j + 1 < W - 1; ++j) conv_store_row(st + j * ts, cs, conv_load_row(st + (acc + j) * ts, cs, n), n);
+      for (int64_t k = 0; k < q; ++k) {
+        const int64_t r = W - 2 + k;
+        if (r >= 0) conv_store_row(st + r * ts, cs, vload_n(x + (start + k) * D + c, n), n);
+      }
+    }
+  }
+}
+
+template <class T>
+void conv_update_impl(const ConvArgs& p, const Parallel& par) {
+  const int64_t nR = (p.S + kConvRowGroup - 1) / kConvRowGroup;
+  const int64_t nC = (p.D + kConvChanBlock - 1) / kConvChanBlock;
+  auto run = [&](auto block) {
+    par(nR * nC, 1, [&](int64_t b, int64_t e) {
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t rg = it / nC, cb = it % nC;
+        const int64_t s0 = rg * kConvRowGroup, s1 = s0 + kConvRowGroup < p.S ? s0 + kConvRowGroup : p.S;
+        const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
+        block(p, s0, s1, c0, c1);
+      }
+    });
+  };
+  switch (p.W * 2 + (p.silu ? 1 : 0)) {
+    case 2: run(conv_update_block<T, 1, false>); break;
+    case 3: run(conv_update_block<T, 1, true>); break;
+    case 4: run(conv_update_block<T, 2, false>); break;
+    case 5: run(conv_update_block<T, 2, true>); break;
+    case 6: run(conv_update_block<T, 3, false>); break;
+    case 7: run(conv_update_block<T, 3, true>); break;
+    case 8: run(conv_update_block<T, 4, false>); break;
+    case 9: run(conv_update_block<T, 4, true>); break;
+    default: run(conv_update_block_any<T>); break;
+  }
+  // Tokens past query_start_loc[S] belong to no row: zero.
+  const int64_t total = p.query_start_loc[p.S];
+  T* y = static_cast<T*>(p.y);
+  par(p.T - total, 64, [&](int64_t b, int64_t e) { conv_zero_rows(y, p.D, total + b, total + e, 0, p.D); });
+}
+
+inline void conv_update(const ConvArgs& p, const Parallel& par) {
+  if (p.act == DType::bf16) conv_update_impl<bf16>(p, par);
+  else conv_update_impl<float>(p, par);
+}
