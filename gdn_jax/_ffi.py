@@ -46,7 +46,14 @@ def require_native() -> None:
 
 
 def available_isas() -> list[str]:
-    """ISAs compiled in and supported by this CPU, best first (e.g. ['avx512bf16', 'avx512', 'generic'])."""
+    """ISAs compiled in and supported by this CPU, best first (e.g. ['avx512bf16', 'avx512', 'generic']).
+
+    On x86 builds the list ends with the test ISA ``'amx_model'``: the AMX kernels run on a
+    software model of the tile instructions (any x86 CPU; slow). It is never chosen
+    automatically, only by ``set_isa`` / ``use_isa`` / ``GDN_JAX_ISA``. ``'amx'`` (real tiles) is
+    listed only when the CPU has AMX and Linux granted tile permission; otherwise
+    ``cpu_features()`` names the refusal (``amx_permission_denied``) and ``set_isa('amx')`` says why.
+    """
     require_native()
     return list(_gdn_ffi.available_isas())
 

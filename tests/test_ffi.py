@@ -1,5 +1,6 @@
 """FFI plumbing: ISA dispatch controls, target registration, in-place aliasing, impl choice."""
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -20,16 +21,28 @@ def _run_py(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
 
 
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+BEST_FIRST = ["amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic"]
+
+
 def test_available_isas_well_formed():
     isas = gdn_jax.available_isas()
-    assert isas[-1] == "generic"
     assert len(set(isas)) == len(isas)
     assert gdn_jax.selected_isa() in isas
-    known = {"amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic"}
-    assert set(isas) <= known
-    # The best available ISA is chosen by default (unless the environment forces one).
+    assert set(isas) <= set(BEST_FIRST) | {"amx_model"}
+    # Real back ends best first, generic last among them; the test ISA amx_model (the AMX
+    # kernels on the software tile model) comes after generic, on every x86 build.
+    real = [i for i in isas if i != "amx_model"]
+    assert real == sorted(real, key=BEST_FIRST.index)
+    assert real[-1] == "generic"
+    assert ("amx_model" in isas) == X86
+    if X86:
+        assert isas[-1] == "amx_model" and isas[-2] == "generic"
+    # The best available ISA is chosen by default (unless the environment forces one), never
+    # the model.
     if not os.environ.get("GDN_JAX_ISA"):
         assert gdn_jax.selected_isa() == isas[0]
+        assert gdn_jax.selected_isa() != "amx_model"
 
 
 def test_isas_follow_cpu_features():
@@ -38,6 +51,41 @@ def test_isas_follow_cpu_features():
     assert ("avx2" in isas) == ({"avx2", "fma"} <= feats)
     assert ("avx512" in isas) == ({"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= feats)
     assert ("avx512bf16" in isas) == ({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16"} <= feats)
+    # amx: the CPU set and nothing in the way (OS tile state, Linux permission).
+    amx_cpu = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16"} <= feats
+    blocked = {"amx_os_disabled", "amx_permission_denied"} & feats
+    assert ("amx" in isas) == (amx_cpu and not blocked)
+    assert not blocked or amx_cpu  # a refusal is only reported for a CPU that has AMX
+
+
+def test_amx_unavailable_says_why():
+    """Without AMX here, selecting it fails with the reason, and the best ISA stays selected
+    (avx512bf16 on an AMX CPU whose tile permission Linux refused)."""
+    if "amx" in gdn_jax.available_isas():
+        pytest.skip("AMX is usable on this machine")
+    before = gdn_jax.selected_isa()
+    feats = set(gdn_jax.cpu_features().split())
+    if not X86:
+        pattern = "not built for this architecture"
+    elif "amx_permission_denied" in feats:
+        pattern = "Linux refused tile data permission"
+    elif "amx_os_disabled" in feats:
+        pattern = "does not enable tile state"
+    else:
+        pattern = "lacks a feature it needs \\(AMX-TILE, AMX-BF16"
+    with pytest.raises(ValueError, match=pattern):
+        gdn_jax.set_isa("amx")
+    assert gdn_jax.selected_isa() == before
+
+
+@pytest.mark.skipif(not X86, reason="amx_model is built on x86 only")
+def test_amx_model_is_selectable_but_never_default():
+    r = _run_py("import gdn_jax; print(gdn_jax.selected_isa())", GDN_JAX_ISA="amx_model")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "amx_model"
+    r = _run_py("import gdn_jax; print(gdn_jax.selected_isa())", GDN_JAX_ISA="")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() != "amx_model"
 
 
 def test_use_isa_switches_and_restores():
@@ -58,7 +106,9 @@ def test_set_isa_rejects_clearly(name, pattern):
 
 
 def test_set_isa_missing_cpu_feature():
-    missing = [i for i in ("avx512bf16", "avx512", "avx2") if i not in gdn_jax.available_isas()]
+    feats = set(gdn_jax.cpu_features().split())
+    candidates = ("avx512bf16", "avx512", "avx2") if ("amx_tile" in feats or not X86) else ("amx", "avx512bf16", "avx512", "avx2")
+    missing = [i for i in candidates if i not in gdn_jax.available_isas()]
     if not missing:
         pytest.skip("this CPU has every x86 ISA")
     with pytest.raises(ValueError, match="lacks a feature"):

@@ -1,14 +1,21 @@
 // CPU feature detection and the choice of kernel table. Each ISA is selected only when the
 // CPU has every feature its translation unit was compiled for (vLLM gated an AVX512-BF16
-// kernel on "has AMX"; we never gate coarser than the flags we compile with).
+// kernel on "has AMX"; we never gate coarser than the flags we compile with). AMX also needs
+// the OS (tile state in XCR0) and Linux's per-process permission for tile data, requested
+// once here; when refused, "amx" is unavailable and the reason is reported.
 #include "gdn/dispatch.h"
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #define GDN_X86 1
 #elif defined(__aarch64__)
 #include <sys/auxv.h>
@@ -21,6 +28,8 @@ namespace generic { void fill_table(KernelTable&); }
 namespace avx2 { void fill_table(KernelTable&); }
 namespace avx512 { void fill_table(KernelTable&); }
 namespace avx512bf16 { void fill_table(KernelTable&); }
+namespace amx { void fill_table(KernelTable&); }
+namespace amx_model { void fill_table(KernelTable&); }
 #endif
 #if GDN_ARM
 namespace neon { void fill_table(KernelTable&); }
@@ -34,6 +43,8 @@ struct Features {
   bool avx512 = false;      // F, DQ, BW, VL + FMA, AVX2, F16C, with OS zmm state
   bool avx512bf16 = false;  // the above + AVX512_BF16
   bool amx_tile = false, amx_bf16 = false;
+  bool amx = false;     // amx_tile + amx_bf16 + avx512bf16, OS tile state, permission granted
+  std::string amx_why;  // why "amx" is unavailable (empty when available)
   bool neon = false, neon_bf16 = false;
   std::string names;
 };
@@ -73,6 +84,13 @@ Features detect() {
   add(fma, "fma"); add(avx2, "avx2"); add(os_zmm && a512f, "avx512f"); add(os_zmm && dq, "avx512dq");
   add(os_zmm && bw, "avx512bw"); add(os_zmm && vl, "avx512vl"); add(os_zmm && bf16, "avx512bf16");
   add(amx_tile, "amx_tile"); add(amx_bf16, "amx_bf16");
+  const bool os_amx = os_avx && (xcr0 & (3ull << 17)) == (3ull << 17);  // XTILECFG, XTILEDATA
+  const bool cpu_amx = amx_tile && amx_bf16 && f.avx512bf16;
+  // Ask Linux only when the CPU and OS could run tiles at all.
+  const AmxDecision amx = decide_amx(cpu_amx, os_amx, cpu_amx && os_amx ? request_amx_permission() : -1);
+  f.amx = amx.available;
+  f.amx_why = amx.why;
+  add(!amx.token.empty(), amx.token.c_str());
 #elif GDN_ARM
   const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
   f.neon = hwcap & (1ul << 1);               // HWCAP_ASIMD
@@ -81,6 +99,39 @@ Features detect() {
 #endif
   return f;
 }
+
+}  // namespace
+
+int request_amx_permission() {
+#if GDN_X86
+  // ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 (<asm/prctl.h>; Linux >= 5.16).
+  // Process-wide and idempotent; the first tile instruction without it kills the process.
+  if (syscall(SYS_arch_prctl, 0x1023, 18) == 0) return 0;
+  return errno != 0 ? errno : -1;
+#else
+  return -1;
+#endif
+}
+
+AmxDecision decide_amx(bool cpu_has, bool os_has, int permission) {
+  AmxDecision d;
+  if (!cpu_has) {
+    d.why = "this CPU lacks a feature it needs (AMX-TILE, AMX-BF16 and the AVX512-BF16 set)";
+  } else if (!os_has) {
+    d.token = "amx_os_disabled";
+    d.why = "the CPU has AMX but the OS does not enable tile state (XCR0 bits 17, 18)";
+  } else if (permission != 0) {
+    d.token = "amx_permission_denied";
+    d.why = "the CPU has AMX but Linux refused tile data permission: arch_prctl(ARCH_REQ_XCOMP_PERM, "
+            "XFEATURE_XTILEDATA) failed with errno " + std::to_string(permission);
+    if (permission > 0) d.why += std::string(" (") + std::strerror(permission) + ")";
+  } else {
+    d.available = true;
+  }
+  return d;
+}
+
+namespace {
 
 const Features& features() {
   static const Features f = detect();
@@ -95,6 +146,7 @@ struct Entry {
 
 const Entry kEntries[] = {
 #if GDN_X86
+    {"amx", amx::fill_table, [] { return features().amx; }},
     {"avx512bf16", avx512bf16::fill_table, [] { return features().avx512bf16; }},
     {"avx512", avx512::fill_table, [] { return features().avx512; }},
     {"avx2", avx2::fill_table, [] { return features().avx2; }},
@@ -104,9 +156,14 @@ const Entry kEntries[] = {
     {"neon", neon::fill_table, [] { return features().neon; }},
 #endif
     {"generic", generic::fill_table, [] { return true; }},
+#if GDN_X86
+    // A test ISA after generic, so never the automatic choice: the AMX kernel code on the
+    // software tile model (isa/amx_model.cc), on every x86 CPU.
+    {"amx_model", amx_model::fill_table, [] { return true; }},
+#endif
 };
 
-const char* const kKnown[] = {"amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic"};
+const char* const kKnown[] = {"amx", "avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "generic", "amx_model"};
 
 KernelTable g_tables[sizeof(kEntries) / sizeof(kEntries[0])];
 std::atomic<const KernelTable*> g_current{nullptr};
@@ -156,8 +213,10 @@ bool select_isa(const std::string& name, std::string* why) {
   for (size_t i = 0; i < sizeof(kEntries) / sizeof(kEntries[0]); ++i) {
     if (name != kEntries[i].name) continue;
     if (!kEntries[i].available()) {
-      if (why) *why = "ISA '" + name + "' is compiled in but this CPU lacks a feature it needs (CPU has: " +
-                      features().names + ")";
+      if (why) {
+        const std::string reason = name == "amx" ? features().amx_why : "this CPU lacks a feature it needs";
+        *why = "ISA '" + name + "' is compiled in but " + reason + " (CPU has: " + features().names + ")";
+      }
       return false;
     }
     g_current.store(&g_tables[i], std::memory_order_release);
@@ -167,7 +226,7 @@ bool select_isa(const std::string& name, std::string* why) {
   for (const char* k : kKnown) known |= name == k;
   if (why)
     *why = known ? "ISA '" + name + "' is not built for this architecture or not implemented in this build"
-                 : "unknown ISA '" + name + "'; known: amx, avx512bf16, avx512, avx2, neon_bf16, neon, generic";
+                 : "unknown ISA '" + name + "'; known: amx, avx512bf16, avx512, avx2, neon_bf16, neon, generic, amx_model";
   return false;
 }
 

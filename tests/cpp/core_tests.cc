@@ -2,6 +2,8 @@
 // scalar float64 evaluation of the contract written here from the formulas. Built by CMake
 // with -DGDN_BUILD_CORE_TESTS=ON; run natively and, cross-compiled, under qemu-aarch64.
 // Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -11,6 +13,15 @@
 
 #include "gdn/dispatch.h"
 #include "gdn/types.h"
+
+#if defined(__x86_64__)
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "isa/amx_test_hooks.h"
+#define GDN_TEST_AMX 1
+#endif
 
 using namespace gdn;
 
@@ -318,10 +329,406 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
   }
 }
 
+#if GDN_TEST_AMX
+// --- AMX tile model (x86 builds) ------------------------------------------------------------
+namespace am = gdn::amx_model_test;
+
+void check_true(const std::string& what, bool ok, const std::string& detail = "") {
+  std::printf("%-58s %s%s%s\n", what.c_str(), ok ? "ok" : "FAIL", detail.empty() ? "" : "  ", detail.c_str());
+  (ok ? g_pass : g_fail)++;
+}
+
+struct TileCfg {
+  uint8_t b[64] = {};
+  TileCfg() { b[0] = 1; }
+  TileCfg& tile(int t, int rows, int colsb) {
+    b[16 + 2 * t] = uint8_t(colsb & 0xff);
+    b[17 + 2 * t] = uint8_t(colsb >> 8);
+    b[48 + t] = uint8_t(rows);
+    return *this;
+  }
+};
+
+float f32_of_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+uint32_t bits_of_f32(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+// The SDM's make_fp32 with DAZ, and FTZ on an f32 result.
+float daz_bf16(uint16_t h) { return (h & 0x7f80u) == 0 ? f32_of_bits(uint32_t(h & 0x8000u) << 16) : bf16_value(h); }
+float ftz(float x) { return (bits_of_f32(x) & 0x7f800000u) == 0 ? f32_of_bits(bits_of_f32(x) & 0x80000000u) : x; }
+
+// TDPBF16PS transcribed from the Intel SDM pseudo-code with std::fma (f32, one rounding):
+// even/odd partial sums per column over k, then C += even + odd. a: rows x 2kp bf16 (row
+// stride 2kp), b: kp x 2n VNNI, c: rows x n f32, updated in place.
+void tdpbf16ps_transcribed(int rows, int n, int kp, const uint16_t* a, const uint16_t* b, float* c) {
+  for (int m = 0; m < rows; ++m) {
+    std::vector<float> even(n, 0.f), odd(n, 0.f);
+    for (int k = 0; k < kp; ++k)
+      for (int j = 0; j < n; ++j) {
+        even[j] = ftz(std::fma(daz_bf16(a[m * 2 * kp + 2 * k]), daz_bf16(b[k * 2 * n + 2 * j]), even[j]));
+        odd[j] = ftz(std::fma(daz_bf16(a[m * 2 * kp + 2 * k + 1]), daz_bf16(b[k * 2 * n + 2 * j + 1]), odd[j]));
+      }
+    for (int j = 0; j < n; ++j) c[m * n + j] = ftz(ftz(c[m * n + j]) + ftz(even[j] + odd[j]));
+  }
+}
+
+// One tdpbf16ps of a rows x (2kp) A by a kp x n VNNI B into a nonzero C, all shapes from the
+// config; checked against a float64 product (error bound of f32 summation) and bit for bit
+// against the transcription above; stored bytes and the register's zeroed parts checked too.
+void test_amx_model_dp(int rows, int n, int kp, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int lda = 2 * kp + 6, ldb = 2 * n + 2, ldc = n + 5;  // element strides wider than the rows
+  std::vector<uint16_t> a(rows * lda, 0xffff), b(kp * ldb, 0xffff);  // padding: NaN bits, must be ignored
+  std::vector<float> c(rows * ldc, std::nanf(""));
+  for (int m = 0; m < rows; ++m)
+    for (int k = 0; k < 2 * kp; ++k) a[m * lda + k] = bf16_bits(nd(rng));
+  for (int k = 0; k < kp; ++k)
+    for (int j = 0; j < 2 * n; ++j) b[k * ldb + j] = bf16_bits(nd(rng));
+  for (int m = 0; m < rows; ++m)
+    for (int j = 0; j < n; ++j) c[m * ldc + j] = 4.f * nd(rng);
+  TileCfg cfg;
+  cfg.tile(0, rows, 4 * n).tile(5, rows, 4 * kp).tile(7, kp, 4 * n);
+  am::ldtilecfg(cfg.b);
+  am::tileloadd(0, c.data(), ldc * 4);
+  am::tileloadd(5, a.data(), lda * 2);
+  am::tileloadd(7, b.data(), ldb * 2);
+  am::tdpbf16ps(0, 5, 7);
+  const float sentinel = -12345.f;
+  std::vector<float> out(rows * ldc + 16 * ldc, sentinel);
+  am::tilestored(0, out.data(), ldc * 4);
+  std::vector<uint8_t> raw(am::tile_bytes(0), am::tile_bytes(0) + 1024);
+  am::tilerelease();
+
+  // float64 product and the f32 summation bound (2kp + 2 roundings of partial sums).
+  double worst = 0;
+  std::vector<uint16_t> ap(rows * 2 * kp), bp(kp * 2 * n);
+  std::vector<float> ct(rows * n);
+  for (int m = 0; m < rows; ++m) {
+    for (int k = 0; k < 2 * kp; ++k) ap[m * 2 * kp + k] = a[m * lda + k];
+    for (int j = 0; j < n; ++j) {
+      double ref = c[m * ldc + j], mag = std::fabs(ref);
+      for (int k = 0; k < kp; ++k)
+        for (int e = 0; e < 2; ++e) {
+          const double t = double(bf16_value(a[m * lda + 2 * k + e])) * bf16_value(b[k * ldb + 2 * j + e]);
+          ref += t;
+          mag += std::fabs(t);
+        }
+      const double bound = (2 * kp + 2) * std::ldexp(1.0, -24) * mag;
+      worst = std::max(worst, std::fabs(out[m * ldc + j] - ref) / bound);
+      ct[m * n + j] = c[m * ldc + j];
+    }
+  }
+  for (int k = 0; k < kp; ++k)
+    for (int j = 0; j < 2 * n; ++j) bp[k * 2 * n + j] = b[k * ldb + j];
+  tdpbf16ps_transcribed(rows, n, kp, ap.data(), bp.data(), ct.data());
+  bool same = true, untouched = true, zeroed = true;
+  for (int m = 0; m < rows + 16; ++m)
+    for (int j = 0; j < ldc; ++j) {
+      const float v = out[m * ldc + j];
+      if (m < rows && j < n) same &= bits_of_f32(v) == bits_of_f32(ct[m * n + j]);
+      else untouched &= v == sentinel;
+    }
+  for (int r = 0; r < 16; ++r)
+    for (int byte = 0; byte < 64; ++byte)
+      if (r >= rows || byte >= 4 * n) zeroed &= raw[r * 64 + byte] == 0;
+  char tag[96];
+  std::snprintf(tag, sizeof tag, "amx model tdpbf16ps C %dx%d += A %dx%d . B", rows, n, rows, 2 * kp);
+  char detail[64];
+  std::snprintf(detail, sizeof detail, "max err / f32 bound %.2f", worst);
+  check_true(std::string(tag) + " vs f64", worst <= 1.0, detail);
+  check_true(std::string(tag) + " = SDM transcription", same);
+  check_true(std::string(tag) + " store/zero shape", untouched && zeroed);
+}
+
+// Denormal inputs are zero (DAZ), denormal results flush (FTZ), the pair order of the
+// accumulation is the SDM's (even and odd sums apart, then added).
+void test_amx_model_dp_edges() {
+  auto one = [](uint16_t a0, uint16_t a1, uint16_t b0, uint16_t b1, float c0) {
+    TileCfg cfg;
+    cfg.tile(0, 1, 4).tile(1, 1, 4).tile(2, 1, 4);
+    uint16_t a[2] = {a0, a1}, b[2] = {b0, b1};
+    am::ldtilecfg(cfg.b);
+    am::tileloadd(0, &c0, 4);
+    am::tileloadd(1, a, 4);
+    am::tileloadd(2, b, 4);
+    am::tdpbf16ps(0, 1, 2);
+    float c;
+    am::tilestored(0, &c, 4);
+    am::tilerelease();
+    return c;
+  };
+  const uint16_t two100 = bf16_bits(std::ldexp(1.f, 100)), tiny = bf16_bits(std::ldexp(1.f, -70));
+  check_true("amx model DAZ: denormal bf16 input is zero", one(0x0040, 0, two100, 0, 0.f) == 0.f);
+  check_true("amx model FTZ: 2^-70 * 2^-70 flushes", one(tiny, 0, tiny, 0, 0.f) == 0.f);
+  check_true("amx model normal control: 2^-60 * 2^-60 = 2^-120",
+             one(bf16_bits(std::ldexp(1.f, -60)), 0, bf16_bits(std::ldexp(1.f, -60)), 0, 0.f) == std::ldexp(1.f, -120));
+  // even = (1 + 2^-7)^2 = 1 + 2^-6 + 2^-14 (exact), odd = 1.5 * 2^-30, C = -1. SDM order:
+  // even + odd rounds the odd part away at 1, so C = 2^-6 + 2^-14. Adding the products to C
+  // one after the other would keep it: 2^-6 + 2^-14 + 2^-29 (1.5 * 2^-30 is 0.75 ulp there).
+  const uint16_t x = bf16_bits(1.f + std::ldexp(1.f, -7));
+  const float got = one(x, bf16_bits(1.5f * std::ldexp(1.f, -15)), x, bf16_bits(std::ldexp(1.f, -15)), -1.f);
+  const float sdm = std::ldexp(1.f, -6) + std::ldexp(1.f, -14);
+  const float sequential = (-1.f + float(1.0 + std::ldexp(1.0, -6) + std::ldexp(1.0, -14))) + 1.5f * std::ldexp(1.f, -30);
+  check_true("amx model accumulation order: C + (even + odd)", got == sdm && sequential != sdm);
+}
+
+// tileloadd fills the configured rows x colsb and clears the rest of the register (stale
+// contents planted first); tilestored writes exactly rows x colsb at the stride.
+void test_amx_model_load_store() {
+  const int rows = 5, colsb = 24, stride = 40;
+  std::vector<uint8_t> src(16 * stride);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = uint8_t(i * 7 + 3);
+  TileCfg cfg;
+  cfg.tile(3, rows, colsb);
+  am::ldtilecfg(cfg.b);
+  std::memset(am::tile_bytes(3), 0xab, 1024);  // stale contents
+  am::tileloadd(3, src.data(), stride);
+  bool ok = true;
+  for (int r = 0; r < 16; ++r)
+    for (int byte = 0; byte < 64; ++byte)
+      ok &= am::tile_bytes(3)[r * 64 + byte] == (r < rows && byte < colsb ? src[r * stride + byte] : 0);
+  check_true("amx model tileloadd 5x24B: shape loaded, rest zeroed", ok);
+  std::vector<uint8_t> dst(16 * stride, 0xcd);
+  am::tilestored(3, dst.data(), stride);
+  ok = true;
+  for (int r = 0; r < 16; ++r)
+    for (int byte = 0; byte < stride; ++byte)
+      ok &= dst[r * stride + byte] == (r < rows && byte < colsb ? src[r * stride + byte] : 0xcd);
+  check_true("amx model tilestored 5x24B: only the shape written", ok);
+  am::tilezero(3);
+  ok = true;
+  for (int i = 0; i < 1024; ++i) ok &= am::tile_bytes(3)[i] == 0;
+  check_true("amx model tilezero", ok);
+  am::tilerelease();
+}
+
+// What the hardware refuses, the model must refuse too (it aborts with a message): run in a
+// child process, expect SIGABRT and the reason on stderr. The valid control must exit 0.
+template <class F>
+void expect_fault(const std::string& what, const char* reason, F&& f) {
+  int pipefd[2];
+  if (pipe(pipefd) != 0) { check_true("amx model fault: " + what, false, "pipe failed"); return; }
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(pipefd[0]);
+    dup2(pipefd[1], 2);
+    f();
+    _exit(0);
+  }
+  close(pipefd[1]);
+  std::string err;
+  char buf[256];
+  ssize_t got;
+  while ((got = read(pipefd[0], buf, sizeof buf)) > 0) err.append(buf, size_t(got));
+  close(pipefd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const bool faulted = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+  if (reason == nullptr) {
+    check_true("amx model control (valid ops): " + what, WIFEXITED(status) && WEXITSTATUS(status) == 0, err);
+  } else {
+    check_true("amx model fault: " + what, faulted && err.find(reason) != std::string::npos,
+               err.empty() ? "no message" : err.substr(0, err.size() - 1));
+  }
+}
+
+void test_amx_model_faults() {
+  float buf[256] = {};
+  expect_fault("full 16x64B config, load, dp, store", nullptr, [&] {
+    TileCfg c; c.tile(0, 16, 64).tile(1, 16, 64).tile(2, 16, 64);
+    am::ldtilecfg(c.b); am::tileloadd(1, buf, 64); am::tileloadd(2, buf, 64); am::tdpbf16ps(0, 1, 2);
+    am::tilestored(0, buf, 64); am::tilerelease();
+  });
+  expect_fault("rows 17", "rows > 16", [&] { TileCfg c; c.tile(0, 17, 64); am::ldtilecfg(c.b); });
+  expect_fault("colsb 68", "colsb > 64", [&] { TileCfg c; c.tile(0, 16, 68); am::ldtilecfg(c.b); });
+  expect_fault("tile 8 in palette 1", "tile >= 8", [&] { TileCfg c; c.tile(8, 1, 4); am::ldtilecfg(c.b); });
+  expect_fault("palette 2", "palette", [&] { TileCfg c; c.b[0] = 2; am::ldtilecfg(c.b); });
+  expect_fault("load without config", "no tile configuration", [&] { am::tileloadd(0, buf, 64); });
+  expect_fault("unconfigured tile", "not configured", [&] {
+    TileCfg c; c.tile(0, 4, 16); am::ldtilecfg(c.b); am::tilezero(1);
+  });
+  expect_fault("after tilerelease", "no tile configuration", [&] {
+    TileCfg c; c.tile(0, 4, 16); am::ldtilecfg(c.b); am::tilerelease(); am::tilezero(0);
+  });
+  expect_fault("dp C.rows != A.rows", "C.rows != A.rows", [&] {
+    TileCfg c; c.tile(0, 4, 64).tile(1, 5, 64).tile(2, 16, 64); am::ldtilecfg(c.b); am::tdpbf16ps(0, 1, 2);
+  });
+  expect_fault("dp A.colsb / 4 != B.rows", "B.rows", [&] {
+    TileCfg c; c.tile(0, 4, 64).tile(1, 4, 60).tile(2, 16, 64); am::ldtilecfg(c.b); am::tdpbf16ps(0, 1, 2);
+  });
+  expect_fault("dp C.colsb != B.colsb", "C.colsb != B.colsb", [&] {
+    TileCfg c; c.tile(0, 4, 32).tile(1, 4, 64).tile(2, 16, 64); am::ldtilecfg(c.b); am::tdpbf16ps(0, 1, 2);
+  });
+  expect_fault("dp colsb not a multiple of 4", "multiple of 4", [&] {
+    TileCfg c; c.tile(0, 4, 30).tile(1, 4, 64).tile(2, 16, 30); am::ldtilecfg(c.b); am::tdpbf16ps(0, 1, 2);
+  });
+  expect_fault("dp with a tile twice", "twice", [&] {
+    TileCfg c; c.tile(0, 16, 64).tile(1, 16, 64); am::ldtilecfg(c.b); am::tdpbf16ps(0, 1, 1);
+  });
+}
+
+// AMX availability: the verdict for each situation, and Linux's answer on this machine.
+void test_amx_dispatch() {
+  const AmxDecision no_cpu = decide_amx(false, true, 0), no_os = decide_amx(true, false, 0),
+                    denied = decide_amx(true, true, 95), ok = decide_amx(true, true, 0);
+  check_true("amx decision: CPU without AMX", !no_cpu.available && no_cpu.token.empty() &&
+                                                   no_cpu.why.find("lacks a feature") != std::string::npos);
+  check_true("amx decision: OS without tile state", !no_os.available && no_os.token == "amx_os_disabled");
+  check_true("amx decision: permission refused (EOPNOTSUPP)",
+             !denied.available && denied.token == "amx_permission_denied" &&
+                 denied.why.find("refused tile data permission") != std::string::npos &&
+                 denied.why.find("errno 95") != std::string::npos, denied.why);
+  check_true("amx decision: all present", ok.available && ok.token.empty() && ok.why.empty());
+  const std::vector<std::string> isas = available_isas();
+  const bool amx_listed = std::find(isas.begin(), isas.end(), "amx") != isas.end();
+  const std::string feats = " " + cpu_features() + " ";
+  const int perm = request_amx_permission();
+  char detail[64];
+  std::snprintf(detail, sizeof detail, "arch_prctl -> %d", perm);
+  if (amx_listed) check_true("amx permission granted (amx available)", perm == 0, detail);
+  else if (feats.find(" amx_tile ") == std::string::npos)
+    check_true("amx permission refused on a CPU without AMX", perm != 0, detail);
+  check_true("amx_model listed last, after generic",
+             isas.size() >= 2 && isas.back() == "amx_model" && isas[isas.size() - 2] == "generic");
+}
+
+// The AMX micro-GEMM through the model against a float64 product. layout of A: 0 row-major
+// (csa = 1), 1 transposed (rsa = 1), 2 other strides. Returns the rel RMSE over the entries
+// the shape needs; checks that the others are untouched.
+struct GemmCase {
+  int M, N, P, layout, shape;
+  bool cin, exact_a, exact_b;
+};
+
+double run_amx_gemm(const GemmCase& g, int parts, std::mt19937& rng, bool* untouched, std::vector<float>* out_f32 = nullptr,
+                    std::vector<uint16_t>* out_b16 = nullptr) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int M = g.M, N = g.N, P = g.P;
+  int64_t rsa, csa;
+  if (g.layout == 0) { rsa = P + 3; csa = 1; }
+  else if (g.layout == 1) { rsa = 1; csa = M + 2; }
+  else { rsa = 2; csa = 2 * M + 1; }
+  std::vector<float> A(size_t((M + 2) * (P + 3) * 3 + 8), std::nanf(""));
+  auto aat = [&](int i, int p) -> float& { return A[size_t(i * rsa + p * csa)]; };
+  for (int i = 0; i < M; ++i)
+    for (int p = 0; p < P; ++p) {
+      float x = nd(rng);
+      if (g.exact_a) x = bf16_value(bf16_bits(x));
+      if (g.shape == 2 && p > i) x = 0.f;  // triangular depth: zeros stored above the diagonal
+      aat(i, p) = x;
+    }
+  // B, Cin as panels (ld 16, bs 16 P) and Cout row-major with a wider row.
+  std::vector<float> B(size_t(P * N + 16), std::nanf("")), Cin(size_t(M * N), 0.f), crs(M);
+  for (auto& x : B) x = g.exact_b ? bf16_value(bf16_bits(nd(rng))) : nd(rng);
+  for (auto& x : Cin) x = nd(rng);
+  for (auto& x : crs) x = nd(rng);
+  auto bat = [&](int p, int c) { return B[size_t((c / 16) * 16 * P + p * 16 + c % 16)]; };
+  auto cat = [&](int i, int c) { return Cin[size_t((c / 16) * 16 * M + i * 16 + c % 16)]; };
+  const int ldo = N + 16;
+  const float sentinel = -777.f;
+  std::vector<float> Cf(size_t(M * ldo), sentinel);
+  std::vector<uint16_t> Cb(size_t(M * ldo), 0xdead);
+  const bool bf16_out = out_b16 != nullptr;
+  am::gemm(parts, bf16_out, M, N, P, A.data(), rsa, csa, B.data(), 16, 16 * P, g.cin ? Cin.data() : nullptr, 16,
+           16 * M, g.cin ? crs.data() : nullptr, bf16_out ? (void*)Cb.data() : (void*)Cf.data(), ldo, 16, g.shape);
+  std::vector<double> got, ref;
+  *untouched = true;
+  for (int i = 0; i < M; ++i)
+    for (int c = 0; c < ldo; ++c) {
+      const bool needed = c < N && !(g.shape == 1 && c / 16 > i / 16);
+      const double v = bf16_out ? bf16_value(Cb[i * ldo + c]) : Cf[i * ldo + c];
+      if (!needed) {
+        *untouched &= bf16_out ? Cb[i * ldo + c] == 0xdead : Cf[i * ldo + c] == sentinel;
+        continue;
+      }
+      double r = g.cin ? double(crs[i]) * cat(i, c) : 0.0;
+      for (int p = 0; p < P; ++p) r += double(aat(i, p)) * bat(p, c);
+      got.push_back(v);
+      ref.push_back(r);
+    }
+  if (out_f32) *out_f32 = Cf;
+  if (out_b16) *out_b16 = Cb;
+  return rel_rmse(got, ref);
+}
+
+void test_amx_gemm(std::mt19937& rng) {
+  const GemmCase cases[] = {
+      {64, 128, 128, 0, 0, false, false, false},  // Q S0 at K = V = 128
+      {128, 128, 64, 1, 0, true, false, false},   // state update: A = K^T by strides, Cin, row scale
+      {37, 48, 45, 0, 0, true, false, false},     // M, N, depth tails
+      {21, 32, 70, 2, 0, false, false, false},    // other strides
+      {50, 64, 32, 0, 1, false, false, false},    // raw scores: triangular columns
+      {60, 128, 60, 0, 2, true, false, false},    // P V_new: triangular depth, Cin
+      {16, 16, 1, 0, 0, true, false, false},      // depth 1
+      {3, 16, 0, 0, 0, true, false, false},       // depth 0: Cout = crs Cin
+  };
+  for (const GemmCase& g : cases) {
+    char tag[96];
+    std::snprintf(tag, sizeof tag, "amx gemm %dx%dx%d A%s%s%s", g.M, g.N, g.P,
+                  g.layout == 0 ? " rows" : g.layout == 1 ? " transposed" : " strided",
+                  g.shape == 1 ? " tri-cols" : g.shape == 2 ? " tri-depth" : "", g.cin ? " +Cin" : "");
+    bool untouched, u;
+    std::mt19937 r1(rng), r2(rng), r3(rng);  // the same operands for every variant
+    const double e2 = run_amx_gemm(g, 2, r2, &untouched);
+    const double e3 = run_amx_gemm(g, 3, r3, &u);
+    check(std::string(tag) + " 2 parts (bf16 act)", e2, 1e-5);
+    check(std::string(tag) + " 3 parts (f32 act)", e3, 5e-7);
+    check_true(std::string(tag) + " writes only what the shape needs", untouched && u);
+    if (g.P >= 32) {
+      const double e1 = run_amx_gemm(g, 1, r1, &u);
+      char d[96];
+      std::snprintf(d, sizeof d, "plain bf16 %.1e, 2 parts %.1e, 3 parts %.1e", e1, e2, e3);
+      // The split is what makes it accurate: one bf16 rounding per operand is ~2^-9.
+      check_true(std::string(tag) + " parts matter", e1 > 30 * e2 && e2 > 10 * e3, d);
+    }
+    rng.discard(1);
+  }
+  // bf16 output: exactly the f32 result rounded once (RNE).
+  {
+    const GemmCase g{40, 48, 50, 0, 0, true, false, false};
+    std::mt19937 r1(rng), r2(rng);
+    bool u1, u2;
+    std::vector<float> f;
+    std::vector<uint16_t> b;
+    run_amx_gemm(g, 2, r1, &u1, &f, nullptr);
+    const double e = run_amx_gemm(g, 2, r2, &u2, nullptr, &b);
+    bool same = true;
+    for (int i = 0; i < g.M; ++i)
+      for (int c = 0; c < g.N; ++c) same &= b[i * (g.N + 16) + c] == bf16_bits(f[i * (g.N + 16) + c]);
+    check("amx gemm 40x48x50 bf16 output", e, 4e-3);
+    check_true("amx gemm bf16 output = RNE(f32 output)", same && u1 && u2);
+  }
+  // Operands exact in bf16: the zero low parts are skipped, the result is the same as the
+  // plain bf16 product, and only f32 accumulation error remains.
+  {
+    const GemmCase g{64, 64, 96, 0, 0, false, true, true};
+    std::mt19937 r1(rng), r2(rng);
+    bool u;
+    std::vector<float> f1, f2;
+    run_amx_gemm(g, 1, r1, &u, &f1);
+    const double e = run_amx_gemm(g, 2, r2, &u, &f2);
+    check("amx gemm exact-bf16 operands", e, 1e-6);
+    check_true("amx gemm exact-bf16 operands: low parts skipped (= plain bf16)",
+               std::memcmp(f1.data(), f2.data(), f1.size() * 4) == 0);
+  }
+}
+#endif
+
 }  // namespace
 
 int main() {
   std::printf("CPU features: %s\n", cpu_features().c_str());
+#if GDN_TEST_AMX
+  {
+    std::mt19937 rng(99);
+    for (auto rnk : {std::array<int, 3>{16, 16, 16}, {5, 6, 10}, {16, 3, 16}, {1, 16, 1}, {9, 16, 7}, {12, 9, 3}})
+      test_amx_model_dp(rnk[0], rnk[1], rnk[2], rng);
+    test_amx_model_dp_edges();
+    test_amx_model_load_store();
+    test_amx_model_faults();
+    test_amx_gemm(rng);
+    test_amx_dispatch();
+  }
+#endif
   for (const std::string& isa : available_isas()) {
     std::string why;
     if (!select_isa(isa, &why)) {

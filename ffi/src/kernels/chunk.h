@@ -91,8 +91,8 @@ inline void gemm_tile_rows(int mr, int np, const float* A, int64_t rsa, int64_t 
 // M x N result, depth P. Column blocks outermost: the B column block (P x 16 NV floats)
 // stays in L1 while the row tiles stream A.
 template <class TO>
-inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
-                 Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
+inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                    Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
   for (int c0 = 0; c0 < N; c0 += kGemmNV * kLanes) {
     const int nv = N - c0 >= kGemmNV * kLanes ? kGemmNV : (N - c0) / kLanes;
     const int64_t cb = c0 / kLanes;
@@ -111,6 +111,19 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
     }
   }
 }
+
+// gemm(): the micro-GEMM every product below calls; TA is the call's activation dtype. The
+// AMX translation units (GDN_AMX) provide it on tiles with the same contract, choosing the
+// product precision from TA (kernels/amx_gemm.h); the others use gemm_vf and ignore TA.
+#if defined(GDN_AMX)
+#include "kernels/amx_gemm.h"
+#else
+template <class TO, class TA = float>
+inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                 Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
+  gemm_vf<TO>(M, N, P, A, rsa, csa, B, Cin, crs, Cout, shape);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------
 // chunked prefill
@@ -245,8 +258,8 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs& b, int64_t t0, int n
 
   // Raw scores, only the column blocks on or left of the diagonal (P, A need j <= i).
   const Mat<const float> kt = panels<const float>(b.KcT, K);
-  gemm<float>(n, npad, Ki, b.Qc, K, 1, kt, {}, nullptr, row_major(b.SQ, C), kGemmTriCols);
-  gemm<float>(n, npad, Ki, b.Kc, K, 1, kt, {}, nullptr, row_major(b.SK, C), kGemmTriCols);
+  gemm<float, TA>(n, npad, Ki, b.Qc, K, 1, kt, {}, nullptr, row_major(b.SQ, C), kGemmTriCols);
+  gemm<float, TA>(n, npad, Ki, b.Kc, K, 1, kt, {}, nullptr, row_major(b.SK, C), kGemmTriCols);
 }
 
 // One chunk for value head h (after chunk_prep); S holds the head's state before the chunk
@@ -327,8 +340,8 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
 
   // Q S0 and K S0 (nothing to do from a zero state).
   if (!zero_state) {
-    gemm<float>(n, Vi, Ki, b.Qc, K, 1, Sm, {}, nullptr, xq, kGemmFull);
-    gemm<float>(n, Vi, Ki, b.Kc, K, 1, Sm, {}, nullptr, xk, kGemmFull);
+    gemm<float, TA>(n, Vi, Ki, b.Qc, K, 1, Sm, {}, nullptr, xq, kGemmFull);
+    gemm<float, TA>(n, Vi, Ki, b.Kc, K, 1, Sm, {}, nullptr, xk, kGemmFull);
   }
 
   // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R.
@@ -341,11 +354,11 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
       vstore(r, zero_state ? bi * vload(vr + c) : bi * (vload(vr + c) - ei * vload(r)));
     }
   }
-  gemm<float>(n, Vi, n, b.Tm, C, 1, {b.XK, kLanes, kLanes * C}, {}, nullptr, vn, kGemmTriDepth);
+  gemm<float, TA>(n, Vi, n, b.Tm, C, 1, {b.XK, kLanes, kLanes * C}, {}, nullptr, vn, kGemmTriDepth);
 
   // O = diag(e^Gc) Q S0 + P V_new, stored straight into o in the activation dtype.
-  gemm<TA>(n, Vi, n, b.P, C, 1, {b.Vn, kLanes, kLanes * C}, {b.XQ, kLanes, kLanes * C},
-           zero_state ? nullptr : b.eg, row_major(o + (t0 * HV + h) * V, HV * V), kGemmTriDepth);
+  gemm<TA, TA>(n, Vi, n, b.P, C, 1, {b.Vn, kLanes, kLanes * C}, {b.XQ, kLanes, kLanes * C},
+               zero_state ? nullptr : b.eg, row_major(o + (t0 * HV + h) * V, HV * V), kGemmTriDepth);
 
   // S = e^G_last S0 + K^T diag(e^(G_last - Gc)) V_new (the A operand K^T is read from Kc).
   for (int i = 0; i < n; ++i) {
@@ -355,8 +368,8 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
       vstore(r, vload(r) * d);
     }
   }
-  gemm<float>(Ki, Vi, n, b.Kc, 1, K, {b.Vn, kLanes, kLanes * C}, Sm, zero_state ? nullptr : b.decay,
-              panels(S, K), kGemmFull);
+  gemm<float, TA>(Ki, Vi, n, b.Kc, 1, K, {b.Vn, kLanes, kLanes * C}, Sm, zero_state ? nullptr : b.decay,
+                  panels(S, K), kGemmFull);
 }
 
 // Value heads per work item: a group of gsz heads of one key head shares q^, k^ and the
