@@ -260,13 +260,13 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
     big = jnp.int32(np.iinfo(np.int32).max)
     flat_slot = jnp.where(used & ~out_of_range, idx, big).reshape(-1)
     flat_row = jnp.broadcast_to(rows[:, None], (S, C)).reshape(-1)
-    ss, sr = lax.sort((flat_slot, flat_row), num_keys=2)
-    clash = (ss[1:] == ss[:-1]) & (ss[1:] != big) & (sr[1:] != sr[:-1])
-    j = jnp.argmax(clash)
-    st_dup = _status(5, sr[j + 1], ss[j + 1], sr[j])
-
     out = jnp.zeros((4,), jnp.int32)
-    out = jnp.where(jnp.any(clash), st_dup, out)
+    if S * C > 1:  # a single (row, column) cannot clash with anything
+        ss, sr = lax.sort((flat_slot, flat_row), num_keys=2)
+        clash = (ss[1:] == ss[:-1]) & (ss[1:] != big) & (sr[1:] != sr[:-1])
+        j = jnp.argmax(clash)
+        st_dup = _status(5, sr[j + 1], ss[j + 1], sr[j])
+        out = jnp.where(jnp.any(clash), st_dup, out)
     out = jnp.where(any_row, st_row, out)
     out = jnp.where(st_qsl[0] != 0, st_qsl, out)
     return out

@@ -261,3 +261,12 @@ def test_from_vllm_rejects_inconsistent_fields():
         from_vllm_metadata(num_slots=N, num_spec=3, token_bucket=16, row_bucket=4, spec_sequence_masks=[True],
                            spec_query_start_loc=[0, 4, 6], spec_state_indices=[[1, 2, 3, 4], [5, 6, 7, 8]],
                            num_accepted_tokens=[1, 1])
+
+
+def test_device_status_single_row_single_column():
+    """One row bucket without spec columns: nothing can clash (a 1-element sort), and a bad
+    slot is still found."""
+    m = _build([Request.prefill(3, 7)], num_spec=0, T=8, S=1).metadata
+    assert _status(m, T=8).tolist() == [0, 0, 0, 0]
+    bad = _edit(m, state_indices=_set(((0, 0), 99)))
+    assert _status(bad, T=8).tolist() == [4, 0, 99, 0]
