@@ -83,6 +83,21 @@ def case_decode(rng, B, state_dtype, impl, cold=True):
     return fn, (q, k, v, a, b, pool), 5, B, 2 * B * sb
 
 
+def case_decode_pool(rng, B, N, impl):
+    """Decode with a fixed pool size N (bf16 state), to show the cost does not grow with N."""
+    sb = HV * K * V * 2
+    q, k = rnd(rng, (B, H, K), jnp.bfloat16), rnd(rng, (B, H, K), jnp.bfloat16)
+    v = rnd(rng, (B, HV, V), jnp.bfloat16)
+    a, b = rnd(rng, (B, HV), jnp.bfloat16), rnd(rng, (B, HV), jnp.bfloat16)
+    A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
+    dt = jnp.zeros((HV,), jnp.float32)
+    pool = jnp.zeros((N, HV, K, V), jnp.bfloat16)
+    idx = jnp.arange(B, dtype=jnp.int32) * (N // B)
+    fn = jax.jit(lambda q, k, v, a, b, pool: ops.fused_sigmoid_gating_delta_rule_update(
+        q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt, ssm_state=pool, state_indices=idx, impl=impl), donate_argnums=5)
+    return fn, (q, k, v, a, b, pool), 5, B, 2 * B * sb
+
+
 def case_spec(rng, S, Q, state_dtype, impl, cold=True):
     sb = HV * K * V * jnp.dtype(state_dtype).itemsize
     T = S * Q
@@ -184,6 +199,9 @@ def cases(quick):
         ("chunk", "T=8192 f32", lambda r, i: case_chunk(r, [8192], f32, i)),
         ("chunk", "4x512 f32", lambda r, i: case_chunk(r, [512] * 4, f32, i)),
         ("chunk", "T=2048 bf16", lambda r, i: case_chunk(r, [2048], bf16, i)),
+        # Cost independent of the pool size (native only: the reference is not the point here).
+        ("decode_pool", "B=8 N=64 bf16", lambda r, i: case_decode_pool(r, 8, 64, i)),
+        ("decode_pool", "B=8 N=2048 bf16", lambda r, i: case_decode_pool(r, 8, 2048, i)),
     ]
     return out
 
@@ -357,6 +375,8 @@ def main():
     for n, (op, label, make) in enumerate(all_cases, 1):
         row = dict(op=op, case=label)
         for impl in impls:
+            if op == "decode_pool" and impl != "native":
+                continue
             rng = np.random.default_rng(0)
             fn, fargs, didx, tokens, work = make(rng, impl)
             med, p10, p90 = timeit(fn, fargs, donate_idx=didx, target_s=target)
@@ -366,7 +386,7 @@ def main():
         if "native" in row and "reference" in row:
             row["speedup_vs_reference"] = row["reference"]["median_ms"] / row["native"]["median_ms"]
         rows.append(row)
-        cols = "  ".join(f"{i} {row[i]['median_ms']:9.3f} ms" for i in impls)
+        cols = "  ".join(f"{i} {row[i]['median_ms']:9.3f} ms" for i in impls if i in row)
         sp = f"  x{row['speedup_vs_reference']:.1f}" if "speedup_vs_reference" in row else ""
         print(f"[{n}/{len(all_cases)}] {op:12s} {label:12s} {cols}{sp}", flush=True)
     layer = run_layer(args.quick, target, bw, peak) if "layer" in sections else []
@@ -376,7 +396,7 @@ def main():
     print("\n| op | case | " + " | ".join(f"{i} median ms" for i in impls) + " | native tok/s | native vs reference |")
     print("|---|---|" + "---:|" * (len(impls) + 2))
     for r in rows:
-        cells = " | ".join(f"{r[i]['median_ms']:.3f}" for i in impls)
+        cells = " | ".join(f"{r[i]['median_ms']:.3f}" if i in r else "-" for i in impls)
         tok = f"{r['native']['tokens_per_s']:.0f}" if "native" in r else ""
         sp = f"{r['speedup_vs_reference']:.1f}x" if "speedup_vs_reference" in r else ""
         print(f"| {r['op']} | {r['case']} | {cells} | {tok} | {sp} |")

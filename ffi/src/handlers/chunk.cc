@@ -30,12 +30,7 @@ static ffi::Error ChunkImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   p.l2norm = l2norm != 0;
   Status s = check_query_start_loc(p.query_start_loc, p.S, p.T);
   if (s.ok()) s = check_slots(p.state_indices, p.S, p.N);
-  write_status(status, s);
-  if (!s.ok()) {
-    zero_fill(o);
-    return ffi::Error::Success();
-  }
-  current_table().chunk(p, make_parallel(&pool));
+  if (accept_batch(s, status, o)) current_table().chunk(p, make_parallel(&pool));
   return ffi::Error::Success();
 }
 

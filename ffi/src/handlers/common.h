@@ -42,6 +42,14 @@ inline void zero_fill(ffi::Result<ffi::AnyBuffer>& out) {
   std::memset(out->untyped_data(), 0, out->size_bytes());
 }
 
+// Reports the batch status; a refused batch gets a zero output and no kernel call (nothing
+// written, so the aliased caches come back unchanged). Returns whether to run the kernel.
+inline bool accept_batch(const Status& s, ffi::Result<ffi::Buffer<ffi::S32>>& status, ffi::Result<ffi::AnyBuffer>& out) {
+  write_status(status, s);
+  if (!s.ok()) zero_fill(out);
+  return s.ok();
+}
+
 }  // namespace gdn
 
 namespace gdn {

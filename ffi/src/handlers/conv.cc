@@ -60,12 +60,7 @@ static ffi::Error ConvFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffe
   p.num_accepted = nullptr;
   Status s = check_query_start_loc(p.query_start_loc, p.S, p.T);
   if (s.ok()) s = check_slots(p.state_indices, p.S, p.N);
-  write_status(status, s);
-  if (!s.ok()) {
-    zero_fill(y);
-    return ffi::Error::Success();
-  }
-  current_table().conv_fwd(p, make_parallel(&pool));
+  if (accept_batch(s, status, y)) current_table().conv_fwd(p, make_parallel(&pool));
   return ffi::Error::Success();
 }
 
@@ -92,12 +87,7 @@ static ffi::Error ConvUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Bu
   const int64_t max_rows = p.L - p.W + 2;
   Status s = check_query_start_loc(p.query_start_loc, p.S, p.T);
   if (s.ok()) s = check_spec_rows(p.query_start_loc, p.state_indices, 1, p.num_accepted, p.S, p.N, max_rows, max_rows);
-  write_status(status, s);
-  if (!s.ok()) {
-    zero_fill(y);
-    return ffi::Error::Success();
-  }
-  current_table().conv_update(p, make_parallel(&pool));
+  if (accept_batch(s, status, y)) current_table().conv_update(p, make_parallel(&pool));
   return ffi::Error::Success();
 }
 

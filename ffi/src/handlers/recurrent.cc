@@ -45,12 +45,7 @@ static ffi::Error RecurrentImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   if (s.ok())
     s = check_spec_rows(p.query_start_loc, p.state_indices, p.index_cols, p.num_accepted, p.S, p.N,
                         p.index_cols, p.index_cols);
-  write_status(status, s);
-  if (!s.ok()) {
-    zero_fill(o);
-    return ffi::Error::Success();
-  }
-  current_table().recurrent(p, make_parallel(&pool));
+  if (accept_batch(s, status, o)) current_table().recurrent(p, make_parallel(&pool));
   return ffi::Error::Success();
 }
 
