@@ -268,20 +268,25 @@ void conv_fwd_state(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
   }
 }
 
+// Runs block(p, o0, o1, c0, c1) in parallel over (outer block of `step` x channel block)
+// items covering [0, n) x [0, D): the work split of both conv launchers.
+template <class Block>
+inline void conv_grid(const ConvArgs& p, const Parallel& par, int64_t n, int64_t step, Block block) {
+  const int64_t nO = (n + step - 1) / step;
+  const int64_t nC = (p.D + kConvChanBlock - 1) / kConvChanBlock;
+  par(nO * nC, 1, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t ob = it / nC, cb = it % nC;
+      const int64_t o0 = ob * step, o1 = o0 + step < n ? o0 + step : n;
+      const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
+      block(p, o0, o1, c0, c1);
+    }
+  });
+}
+
 template <class T>
 void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
-  const int64_t nT = (p.T + kConvTokBlock - 1) / kConvTokBlock;
-  const int64_t nC = (p.D + kConvChanBlock - 1) / kConvChanBlock;
-  auto outputs = [&](auto block) {
-    par(nT * nC, 1, [&](int64_t b, int64_t e) {
-      for (int64_t it = b; it < e; ++it) {
-        const int64_t tb = it / nC, cb = it % nC;
-        const int64_t t0 = tb * kConvTokBlock, t1 = t0 + kConvTokBlock < p.T ? t0 + kConvTokBlock : p.T;
-        const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
-        block(p, t0, t1, c0, c1);
-      }
-    });
-  };
+  auto outputs = [&](auto block) { conv_grid(p, par, p.T, kConvTokBlock, block); };
   switch (p.W * 2 + (p.silu ? 1 : 0)) {
     case 2: outputs(conv_fwd_block<T, 1, false>); break;
     case 3: outputs(conv_fwd_block<T, 1, true>); break;
@@ -295,12 +300,8 @@ void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
   }
   // Second pass: every output that reads a slot's old rows is done before any slot is written.
   if (p.W <= 1) return;
-  par(p.S * nC, 16, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t s = it / nC, cb = it % nC;
-      const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
-      conv_fwd_state<T>(p, s, c0, c1);
-    }
+  conv_grid(p, par, p.S, 1, [](const ConvArgs& q, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+    for (int64_t s = s0; s < s1; ++s) conv_fwd_state<T>(q, s, c0, c1);
   });
 }
 
@@ -400,18 +401,7 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
 
 template <class T>
 void conv_update_impl(const ConvArgs& p, const Parallel& par) {
-  const int64_t nR = (p.S + kConvRowGroup - 1) / kConvRowGroup;
-  const int64_t nC = (p.D + kConvChanBlock - 1) / kConvChanBlock;
-  auto run = [&](auto block) {
-    par(nR * nC, 1, [&](int64_t b, int64_t e) {
-      for (int64_t it = b; it < e; ++it) {
-        const int64_t rg = it / nC, cb = it % nC;
-        const int64_t s0 = rg * kConvRowGroup, s1 = s0 + kConvRowGroup < p.S ? s0 + kConvRowGroup : p.S;
-        const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
-        block(p, s0, s1, c0, c1);
-      }
-    });
-  };
+  auto run = [&](auto block) { conv_grid(p, par, p.S, kConvRowGroup, block); };
   switch (p.W * 2 + (p.silu ? 1 : 0)) {
     case 2: run(conv_update_block<T, 1, false>); break;
     case 3: run(conv_update_block<T, 1, true>); break;
