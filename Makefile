@@ -38,11 +38,17 @@ test: build
 test-core: venv
 	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
 
+# Everything, written to benchmarks/RESULTS.md + benchmarks/out/ (results.json, PNG plots). With
+# vLLM beside it: make bench VLLM_PYTHON=/path/to/vllm-venv/bin/python (or GDN_VLLM_PYTHON=...).
+# matplotlib is the optional `bench` extra of pyproject.toml (plots only).
+VLLM_PYTHON ?=
+BENCH_ARGS  ?=
 bench: build
-	PYTHONPATH=. $(PY) benchmarks/run.py
+	$(PY) -m pip install -q "matplotlib>=3.7"
+	PYTHONPATH=. $(PY) benchmarks/run.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON)) $(BENCH_ARGS)
 
 bench-quick: build
-	PYTHONPATH=. $(PY) benchmarks/run.py --quick
+	PYTHONPATH=. $(PY) benchmarks/run.py --quick $(BENCH_ARGS)
 
 clean:
 	rm -rf build gdn_jax/_gdn_ffi*.so

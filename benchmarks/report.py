@@ -1,0 +1,393 @@
+"""Rates, the issue's targets, the Markdown report and the plots, computed from one run's results
+(the dict that benchmarks/run.py writes to results.json). No timing happens here."""
+from __future__ import annotations
+
+import os
+
+
+def fmt(v, spec=".3f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def add_rates(row, st, roof):
+    """GB/s (unit "bytes": state or activation bytes read + written) or GFLOP/s (unit "flops") of one
+    measurement and its fraction of the matching roofline (copy bandwidth or bf16 dot-product peak)."""
+    if st is None or not row.get("unit") or not row.get("work"):
+        return
+    if row["unit"] == "bytes":
+        row["gbs"] = row["work"] / st["median_ms"] / 1e6
+        bw = roof.get("copy_bandwidth_gbs")
+        if bw:
+            row["roofline"], row["frac_roofline"] = "copy bandwidth", row["gbs"] / bw
+    else:
+        row["gflops"] = row["work"] / st["median_ms"] / 1e6
+        peak, name = relevant_peak(roof)
+        if peak:
+            row["roofline"], row["frac_roofline"] = name, row["gflops"] / peak
+
+
+def relevant_peak(roof):
+    """The peak a bf16-activation prefill is held to: the bf16 dot-product peak where it is known,
+    else the f32 FMA peak."""
+    if roof.get("bf16_dot_peak_gflops"):
+        return roof["bf16_dot_peak_gflops"], "bf16 dot peak"
+    return roof.get("fma_peak_gflops"), "f32 FMA peak"
+
+
+def _ops(res, op, case):
+    return next((r for r in res.get("ops", []) if r["op"] == op and r["case"] == case), None)
+
+
+def _layer(res, case, state):
+    return next((r for r in res.get("layer", []) if r["case"] == case and r["state"] == state), None)
+
+
+# --- targets (issue #6) --------------------------------------------------------------------------------
+
+
+def targets(res):
+    """Each target of the issue, the value measured in this run, and met / not met / not measured /
+    not measurable here."""
+    out = []
+    roof, vllm, env = res.get("roofline", {}), res.get("vllm", {}), res.get("env", {})
+    vllm_ran = vllm.get("status") == "ok"
+    build_note = ""
+    if vllm_ran and not vllm.get("avx512bf16_build"):
+        libs = ", ".join(vllm.get("kernel_libs") or ["?"])
+        build_note = f"vLLM loaded {libs}, not the AVX512-BF16 build the target is stated for"
+
+    def add(target, case, value, threshold, shown, *, ge=True, status=None, note=""):
+        if status is None:
+            if value is None:
+                status = "not measured"
+            else:
+                status = "met" if (value >= threshold if ge else value <= threshold) else "not met"
+        out.append(dict(target=target, case=case, value=value, threshold=threshold,
+                        threshold_shown=("≥ " if ge else "≤ ") + shown, status=status, note=note,
+                        measured=None if value is None else (f"{100 * value:.0f}%" if shown.endswith("%")
+                                                             else f"{value:.2f}x")))
+
+    def vs_vllm(target, case, row, key, thr):
+        """Ratio vLLM time / ours from row[key] (a vLLM dict) against thr."""
+        if row is None:
+            return add(target, case, None, thr, f"{thr}x", note="case not in this run (--quick?)")
+        if not vllm_ran:
+            return add(target, case, None, thr, f"{thr}x",
+                       note="vLLM not in this run (--vllm-python)" + (f": {vllm['error']}" if vllm.get("error") else ""))
+        hit = row.get(key)
+        if hit is None:
+            return add(target, case, None, thr, f"{thr}x", note="vLLM's harness has no such row in its run (quick?)")
+        if "error" in hit:
+            note = f"vLLM's `{hit['op']}` failed on this build: {hit['error'][:90]}"
+            core = row.get("vllm_core")
+            if key == "vllm_forward" and core and "median_ms" in core:
+                note += f"; against vLLM's core kernel alone: {core['median_ms'] / row['native']['median_ms']:.2f}x"
+            return add(target, case, None, thr, f"{thr}x", status="not measurable here", note=note)
+        ratio = hit["median_ms"] / row["native"]["median_ms"]
+        return add(target, case, ratio, thr, f"{thr}x",
+                   note="; ".join(x for x in (f"vLLM {hit['median_ms']:.3f} ms, gdn_jax "
+                                             f"{row['native']['median_ms']:.3f} ms", build_note) if x))
+
+    # decode f32: >= 90% of the copy bandwidth (the kernel through jit)
+    for B in (1, 8, 32):
+        r = _ops(res, "decode", f"B={B} f32")
+        v = r.get("frac_roofline") if r else None
+        add("decode f32 state: ≥ 90% of the copy bandwidth (op)", f"B={B}", v, 0.9, "90%",
+            note=(f"{r['gbs']:.1f} GB/s of state, copy bandwidth {roof['copy_bandwidth_gbs']:.1f} GB/s" if v else
+                  "case not in this run (--quick?)"))
+    for B in (1, 8, 32):
+        vs_vllm("decode f32 state: never slower than vLLM's kernel (op)", f"B={B}", _ops(res, "decode", f"B={B} f32"),
+                "vllm", 1.0)
+        vs_vllm("decode f32 state: never slower than vLLM's GDN forward (layer step)", f"B={B}",
+                _layer(res, f"decode_b{B}", "fp32"), "vllm_forward", 1.0)
+    for B in (8, 32):
+        vs_vllm("decode bf16 state: ≥ 1.3x vLLM's kernel (op)", f"B={B}", _ops(res, "decode", f"B={B} bf16"),
+                "vllm", 1.3)
+        vs_vllm("decode bf16 state: ≥ 1.3x vLLM's GDN forward (layer step)", f"B={B}",
+                _layer(res, f"decode_b{B}", "bf16"), "vllm_forward", 1.3)
+    for st, lab in (("fp32", "f32"), ("bf16", "bf16")):
+        vs_vllm("spec 8x4: ≥ 1.3x vLLM's spec kernel (op)", f"{lab} state", _ops(res, "spec", f"8x4 {lab}"), "vllm", 1.3)
+        vs_vllm("spec 8x4: ≥ 1.7x vLLM's spec forward as it runs here (layer step)", f"{lab} state",
+                _layer(res, "spec_8x4", st), "vllm_forward", 1.7)
+    for case, lab in (("prefill_8192", "T=8192"), ("prefill_4x512", "4x512")):
+        vs_vllm("prefill (conv + gating + chunk): ≥ 1.5x vLLM's GDN forward (layer step)", lab,
+                _layer(res, case, "fp32"), "vllm_forward", 1.5)
+    # chunk kernel >= 50% of the bf16 dot-product peak
+    src = roof.get("bf16_dot_peak_source", "")
+    for lab in ("T=8192 f32", "4x512 f32"):
+        r = _ops(res, "chunk", lab)
+        if r is None or "gflops" not in r:
+            add("chunk kernel: ≥ 50% of the bf16 dot-product peak (op)", lab, None, 0.5, "50%",
+                note="case not in this run (--quick?)")
+        elif src.startswith("measured"):
+            add("chunk kernel: ≥ 50% of the bf16 dot-product peak (op)", lab, r["gflops"] / roof["bf16_dot_peak_gflops"],
+                0.5, "50%", note=f"{r['gflops']:.1f} GFLOP/s of {roof['bf16_dot_peak_gflops']:.1f}")
+        else:
+            f32 = r["gflops"] / roof["fma_peak_gflops"]
+            add("chunk kernel: ≥ 50% of the bf16 dot-product peak (op)", lab, None, 0.5, "50%",
+                status="not measurable here",
+                note=(f"stated for an AVX512-BF16 machine; {env.get('isa')} has no bf16 dot product here "
+                      f"(bf16 peak {src.split(':')[0]}): {r['gflops']:.1f} GFLOP/s = {100 * f32:.0f}% of the f32 FMA "
+                      f"peak {roof['fma_peak_gflops']:.1f}"))
+    # conv prefill within 1.3x of its memory roofline
+    for lab in ("T=512", "T=2048", "T=8192", "4x512"):
+        r = _ops(res, "conv_fwd", lab)
+        v = 1 / r["frac_roofline"] if r and r.get("frac_roofline") else None
+        add("conv prefill: within 1.3x of its memory roofline (op)", lab, v, 1.3, "1.3x", ge=False,
+            note=(f"{r['gbs']:.1f} GB/s (x read + out written) vs copy {roof['copy_bandwidth_gbs']:.1f} GB/s" if v else
+                  "case not in this run (--quick?)"))
+    # against the fast pure-JAX baseline
+    for case, st, thr in ([(f"decode_b{B}", s, 2.0) for B in (8, 32) for s in ("fp32", "bf16")] +
+                          [("spec_8x4", s, 2.0) for s in ("fp32", "bf16")] +
+                          [(c, "fp32", 4.0) for c in ("prefill_512", "prefill_2048", "prefill_8192", "prefill_4x512")]):
+        r = _layer(res, case, st)
+        v = r.get("speedup_vs_jnp_baseline") if r else None
+        note = ("case not in this run (--quick?)" if r is None else
+                "no jnp baseline in this run" if v is None else
+                f"jnp {r['jnp_baseline']['median_ms']:.3f} ms ({r['jnp_baseline']['variant']}), gdn_jax "
+                f"{r['native']['median_ms']:.3f} ms")
+        add(f"≥ {thr:g}x the fast pure-JAX baseline (layer step)", f"{case} {st}", v, thr, f"{thr:g}x", note=note)
+    # no cost that grows with the pool size
+    a, b = _ops(res, "decode_pool", "B=8 N=64 bf16"), _ops(res, "decode_pool", "B=8 N=2048 bf16")
+    if a and b:
+        v = b["native"]["median_ms"] / a["native"]["median_ms"]
+        add("no cost that grows with the pool size N (decode B=8 bf16)", "N=2048 / N=64", v, 1.25, "1.25x", ge=False,
+            note=f"{a['native']['median_ms']:.3f} ms at N=64, {b['native']['median_ms']:.3f} ms at N=2048 (2 GiB); "
+                 f"1.25x allows for this host's noise")
+    else:
+        add("no cost that grows with the pool size N (decode B=8 bf16)", "N=2048 / N=64", None, 1.25, "1.25x",
+            ge=False, note="case not in this run (--quick?)")
+    return out
+
+
+# --- Markdown -----------------------------------------------------------------------------------------
+
+
+def _ms(st):
+    if not st or "median_ms" not in st:
+        return "-"
+    return f"{st['median_ms']:.3f} ({st['p10_ms']:.3f}-{st['p90_ms']:.3f})"
+
+
+def _ratio(v):
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _rate(r):
+    if "gbs" in r:
+        s = f"{r['gbs']:.1f} GB/s"
+    elif "gflops" in r:
+        s = f"{r['gflops']:.1f} GFLOP/s"
+    else:
+        return ""
+    if "frac_roofline" in r:
+        s += f" ({100 * r['frac_roofline']:.0f}%)"
+    return s
+
+
+def _vllm_cell(hit):
+    if hit is None:
+        return "-"
+    if "error" in hit:
+        return "error"
+    return _ms(hit)
+
+
+def markdown(res, md_dir):
+    env, roof, vllm = res["env"], res.get("roofline", {}), res.get("vllm", {})
+    L = ["# Benchmark results", "",
+         "Generated by `benchmarks/run.py` from one run (rerun `make bench` to refresh it; do not edit by hand). "
+         "Times are medians with p10-p90 in parentheses, in ms; ratios are the other implementation's median "
+         "over gdn_jax's (above 1: gdn_jax is faster). What limits each case: `benchmarks/README.md` "
+         "(Analysis) and `ffi/README.md`.", ""]
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in env.get("flags", {}).items())
+    cpu = env.get("cpu_model") or "?"
+    topo = ", ".join(f"{k.replace('lscpu_', '').replace('_', ' ')} {env[k]}" for k in
+                     ("lscpu_threads_per_core", "lscpu_cores_per_socket", "lscpu_sockets", "lscpu_l3_cache",
+                      "lscpu_hypervisor_vendor") if env.get(k))
+    fc = [st.get("foreign_cores") for r in res.get("ops", []) + res.get("layer", [])
+          for st in (r.get("native"), r.get("reference"), r.get("jnp_baseline")) if st and st.get("foreign_cores") is not None]
+    L += ["## Machine and run", "", "| | |", "|---|---|",
+          f"| date | {env.get('date')} |",
+          f"| command | `{env.get('command')}` |",
+          f"| CPU | {cpu}, {env.get('logical_cpus')} logical CPUs" + (f" ({topo})" if topo else "") + " |",
+          f"| CPU flags that matter | {flags} |",
+          f"| gdn_jax ISA | {env.get('isa')} (available: {', '.join(env.get('available_isas', []))}) |",
+          f"| software | jax {env.get('jax')}, python {env.get('python')} |",
+          f"| timing | ≥ {env.get('target_s')} s of calls per case (≥ 5 calls), jitted, caches donated; "
+          f"{'quick mode; ' if env.get('quick') else ''}other processes used up to "
+          f"{max(fc) if fc else '?'} cores during a measurement (shared machine) |"]
+    if vllm.get("status") == "ok":
+        v = (f"vllm {vllm.get('vllm')}, torch {vllm.get('torch')}, library {', '.join(vllm.get('kernel_libs') or [])}, "
+             f"malloc {vllm.get('malloc')}, harness in {'--quick' if vllm.get('quick') else 'full'} mode, "
+             + ("results read from a file" if vllm.get("from_file") else "run before our timings"))
+        if vllm.get("patched"):
+            v += "; the shared harness stopped on the missing `causal_conv1d_weight_pack` op and ran as a copy " \
+                 "patched at run time (pack falls back to the unpacked weight; native-conv rows report errors)"
+        L.append(f"| vLLM | {v} |")
+    else:
+        L.append(f"| vLLM | {vllm.get('status')}" + (f": {vllm['error']}" if vllm.get("error") else "") + " |")
+    L += ["", "## Roofline (measured in this run)", "", "| quantity | value | how |", "|---|---:|---|",
+          f"| copy bandwidth | {fmt(roof.get('copy_bandwidth_gbs'), '.1f')} GB/s | numpy copy of 256 MiB, 2 threads, "
+          f"read + written bytes |",
+          f"| f32 FMA peak | {fmt(roof.get('fma_peak_gflops'), '.1f')} GFLOP/s | `fma_probe` of the {env.get('isa')} "
+          f"kernels, {roof.get('threads')} threads |",
+          f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
+          f"{roof.get('bf16_dot_peak_source', '-')} |", "",
+          "Decode, spec and conv rows report bytes moved per second (state or activations, read + written) "
+          "against the copy bandwidth; chunk and prefill rows report the chunked algorithm's GFLOP/s "
+          "(`run.chunk_flops`: state products, causal C x C products, the triangular solve) against the bf16 "
+          "dot-product peak.", ""]
+    # targets
+    L += ["## Targets (issue #6), computed from this run", "",
+          "| target | case | measured | target | status | note |", "|---|---|---:|---:|---|---|"]
+    for t in res.get("targets", []):
+        L.append(f"| {t['target']} | {t['case']} | {t['measured'] or '-'} | {t['threshold_shown']} | "
+                 f"**{t['status']}** | {t['note']} |")
+    counts = {}
+    for t in res.get("targets", []):
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    L += ["", "Summary: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", ""]
+    # layer
+    if res.get("layer"):
+        L += ["## Layer steps: conv + gating + recurrence, as a user calls them", "",
+              "`GDNAttention.decode / spec_decode / prefill` (native), cold state pools larger than the LLC, against "
+              "the fast pure-JAX baseline of `../shared/bench/jnp_baseline` (its best variant per case) and vLLM's "
+              "GDN forward as vLLM calls it (its Python glue: conv + gating + core) and its core kernel alone.", "",
+              "| case | state | gdn_jax ms | tok/s | rate (% roofline) | jnp baseline ms | vs jnp | "
+              "vLLM forward ms | vs vLLM forward | vLLM core kernel ms | vs vLLM core |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["layer"]:
+            L.append(f"| {r['case']} | {r['state']} | {_ms(r['native'])} | {r['native']['tokens_per_s']:,.0f} | "
+                     f"{_rate(r)} | {_ms(r.get('jnp_baseline'))} | {_ratio(r.get('speedup_vs_jnp_baseline'))} | "
+                     f"{_vllm_cell(r.get('vllm_forward'))} | {_ratio(r.get('speedup_vs_vllm_forward'))} | "
+                     f"{_vllm_cell(r.get('vllm_core'))} | {_ratio(r.get('speedup_vs_vllm_core'))} |")
+        L.append("")
+    if res.get("ops"):
+        L += ["## Ops: each op alone", "",
+              "Native kernels (through `jax.jit`) against the pure-jnp reference (`impl=\"reference\"`) and vLLM's "
+              "kernel for the same case (the op vLLM uses on this CPU; a fallback is named).", "",
+              "| op | case | native ms | tok/s | rate (% roofline) | reference ms | vs reference | vLLM op | "
+              "vLLM ms | vs vLLM |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+        for r in res["ops"]:
+            nat = r.get("native")
+            vh = r.get("vllm")
+            L.append(f"| {r['op']} | {r['case']} | {_ms(nat)} | {fmt(nat and nat['tokens_per_s'], ',.0f')} | "
+                     f"{_rate(r)} | {_ms(r.get('reference'))} | {_ratio(r.get('speedup_vs_reference'))} | "
+                     f"{vh['op'] if vh else '-'} | {_vllm_cell(vh)} | {_ratio(r.get('speedup_vs_vllm'))} |")
+        L.append("")
+    if vllm.get("errors"):
+        L += ["## vLLM rows that could not run", "", "| case | vLLM op | state | error |", "|---|---|---|---|"]
+        for e in vllm["errors"]:
+            L.append(f"| {e['case']} | {e['op']} | {e['state'] or ''} | {e['error'][:160]} |")
+        L.append("")
+    L += ["## Plots", ""]
+    if res.get("plots"):
+        for p in res["plots"]:
+            rel = os.path.relpath(p, md_dir)
+            L.append(f"![{os.path.basename(p)}]({rel})")
+        L += ["", "(PNG files written by the run into `benchmarks/out/`, which is not committed.)", ""]
+    else:
+        L += [res.get("plots_note") or "No plots in this run.", ""]
+    return "\n".join(L)
+
+
+# --- plots -------------------------------------------------------------------------------------------
+
+
+def _series(rows, key, xs_filter):
+    pts = []
+    for r in rows:
+        st = r.get(key)
+        if r.get("x") is None or not xs_filter(r) or not st or "tokens_per_s" not in st:
+            continue
+        pts.append((r["x"], st["tokens_per_s"]))
+    return sorted(pts)
+
+
+def plots(res, out_dir):
+    """Throughput vs batch size (decode) and vs prompt length (prefill), one line per implementation,
+    roofline as a horizontal line. Needs matplotlib (optional: the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        res["plots_note"] = ("Plots skipped: matplotlib is not importable (install the optional `bench` extra: "
+                             "`pip install .[bench]`; `make bench` does).")
+        print(res["plots_note"], flush=True)
+        return []
+    roof = res.get("roofline", {})
+    ops_rows, layer_rows = res.get("ops", []), res.get("layer", [])
+    paths = []
+    styles = [("native", "gdn_jax op (native)", "o-"), ("reference", "gdn_jax reference op", "x:"),
+              ("vllm", "vLLM kernel", "s--")]
+    lstyles = [("native", "gdn_jax layer step", "o-"), ("jnp_baseline", "jnp baseline (layer)", "^-."),
+               ("vllm_forward", "vLLM forward (layer)", "D--")]
+
+    def lines(sel_ops, sel_layer):
+        out = [(label, style, _series(ops_rows, key, sel_ops)) for key, label, style in styles]
+        out += [(label, style, _series(layer_rows, key, sel_layer)) for key, label, style in lstyles]
+        return [x for x in out if x[2]]
+
+    def draw(ax, ls, roof_tps, roof_label, xlabel, title):
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+        xs = set()
+        for label, style, pts in ls:
+            ax.plot(*zip(*pts), style, label=label)
+            xs |= {x for x, _ in pts}
+        if roof_tps:
+            ax.axhline(roof_tps, color="k", lw=1, ls="--", alpha=0.6, label=roof_label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(xs))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("tokens / s")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+
+    # decode: one panel per state dtype that has data
+    bw = roof.get("copy_bandwidth_gbs")
+    panels = []
+    for st, lab in (("fp32", "f32"), ("bf16", "bf16")):
+        ls = lines(lambda r, st=st: r["op"] == "decode" and r["state"] == st,
+                   lambda r, st=st: r["case"].startswith("decode_b") and r["state"] == st)
+        dec = [r for r in ops_rows + layer_rows if (r.get("op") == "decode" or r["case"].startswith("decode_b"))
+               and r["state"] == st and r.get("work")]
+        bpt = dec[0]["work"] / dec[0]["tokens"] if dec else None
+        if ls:
+            panels.append((ls, bw * 1e9 / bpt if bw and bpt else None, lab))
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+        for ax, (ls, roof_tps, lab) in zip(axes[0], panels):
+            draw(ax, ls, roof_tps, f"state-bandwidth roofline (copy {bw:.1f} GB/s)" if bw else "", "batch size B",
+                 f"decode, {lab} state (Qwen3-Next layer shapes, cold pool)")
+        p = os.path.join(out_dir, "decode_throughput.png")
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        paths.append(p)
+        plt.close(fig)
+    # prefill
+    ch = [r for r in ops_rows if r["op"] == "chunk" and r.get("x") and r["state"] == "fp32" and r.get("work")]
+    peak, pname = relevant_peak(roof)
+    fpt = ch[0]["work"] / ch[0]["tokens"] if ch else None
+    if fpt is None:
+        pre = [r for r in layer_rows if r["case"].startswith("prefill") and r.get("x")]
+        fpt = pre[0]["work"] / pre[0]["tokens"] if pre else None
+    ls = lines(lambda r: r["op"] == "chunk" and r["state"] == "fp32", lambda r: r["case"].startswith("prefill"))
+    if ls:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        draw(ax, ls, peak * 1e9 / fpt if peak and fpt else None,
+             f"compute roofline ({pname} {fmt(peak, '.0f')} GFLOP/s)", "prompt length T (one sequence)",
+             "prefill: chunk op and whole step, f32 state")
+        p = os.path.join(out_dir, "prefill_throughput.png")
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        paths.append(p)
+        plt.close(fig)
+    return paths
