@@ -163,6 +163,10 @@ def targets(res):
 # --- Markdown -----------------------------------------------------------------------------------------
 
 
+def _runs(xs):
+    return " / ".join(f"{x:.1f}" for x in xs or [])
+
+
 def _ms(st):
     if not st or "median_ms" not in st:
         return "-"
@@ -229,9 +233,9 @@ def markdown(res, md_dir):
         L.append(f"| vLLM | {vllm.get('status')}" + (f": {vllm['error']}" if vllm.get("error") else "") + " |")
     L += ["", "## Roofline (measured in this run)", "", "| quantity | value | how |", "|---|---:|---|",
           f"| copy bandwidth | {fmt(roof.get('copy_bandwidth_gbs'), '.1f')} GB/s | numpy copy of 256 MiB, 2 threads, "
-          f"read + written bytes |",
+          f"read + written bytes; best of before / after the timings ({_runs(roof.get('copy_bandwidth_runs'))}) |",
           f"| f32 FMA peak | {fmt(roof.get('fma_peak_gflops'), '.1f')} GFLOP/s | `fma_probe` of the {env.get('isa')} "
-          f"kernels, {roof.get('threads')} threads |",
+          f"kernels, {roof.get('threads')} threads; best of before / after ({_runs(roof.get('fma_peak_runs'))}) |",
           f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
           f"{roof.get('bf16_dot_peak_source', '-')} |", "",
           "Decode, spec and conv rows report bytes moved per second (state or activations, read + written) "

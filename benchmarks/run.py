@@ -282,7 +282,7 @@ def cases(quick):
     return out
 
 
-def run_ops(quick, impls, target, roof):
+def run_ops(quick, impls, target):
     rows = []
     all_cases = cases(quick)
     for n, c in enumerate(all_cases, 1):
@@ -296,7 +296,6 @@ def run_ops(quick, impls, target, roof):
             row[impl] = timeit(fn, fargs, donate_idx=didx, tokens=tokens, target_s=target)
             row.update(tokens=tokens, work=work)
             del fn, fargs
-        report.add_rates(row, row.get("native"), roof)
         if "native" in row and "reference" in row:
             row["speedup_vs_reference"] = row["reference"]["median_ms"] / row["native"]["median_ms"]
         rows.append(row)
@@ -438,7 +437,7 @@ def layer_cases(quick):
     return out
 
 
-def run_layer(quick, target, roof, baseline_path):
+def run_layer(quick, target, baseline_path):
     bl = load_baseline(baseline_path)
     if bl is None:
         print(f"(no jnp baseline at {os.path.abspath(baseline_path)}: layer rows without it)", flush=True)
@@ -450,7 +449,6 @@ def run_layer(quick, target, roof, baseline_path):
         ours = case["ours"](target)
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
                    work=case["work"], vllm_case=case["vllm"][0], native=ours)
-        report.add_rates(row, ours, roof)
         if bl is not None:
             kind, args, sname = case["base"]
             if kind == "decode":
@@ -568,6 +566,9 @@ def main(argv=None):
                          "per 2048-token call")
     ap.add_argument("--vllm-wait-quiet", type=float, default=30.0,
                     help="seconds vLLM's harness waits for the machine to go quiet before starting")
+    ap.add_argument("--vllm-timeout", type=float, default=3600.0,
+                    help="seconds after which vLLM's harness is stopped (it waits for quiet and re-measures rows "
+                         "that other processes disturbed; its JSON is written at the end only)")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
@@ -595,23 +596,32 @@ def main(argv=None):
     elif args.vllm_python:
         print(f"# vLLM: running {harness} with {args.vllm_python}", flush=True)
         vllm = vc.run_harness(args.vllm_python, harness, out_dir, quick=args.quick or args.vllm_quick,
-                              wait_quiet=args.vllm_wait_quiet)
+                              wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout)
         print(f"# vLLM: {vllm['status']}" + (f" ({vllm.get('error')})" if vllm.get("error") else ""), flush=True)
 
     threads = os.cpu_count() or 1
-    roof = dict(threads=threads)
-    if "roofline" in sections or "layer" in sections or "ops" in sections:
-        roof["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
-        roof["fma_peak_gflops"] = fma_peak_gflops(threads)
+    roof = dict(threads=threads, copy_bandwidth_runs=[], fma_peak_runs=[])
+
+    def measure_roofline(when):
+        """Measured before and after the timings; the best of the two counts (others share the cores)."""
+        roof["copy_bandwidth_runs"].append(copy_bandwidth_gbs())
+        roof["fma_peak_runs"].append(fma_peak_gflops(threads))
+        roof["copy_bandwidth_gbs"] = max(roof["copy_bandwidth_runs"])
+        roof["fma_peak_gflops"] = max(roof["fma_peak_runs"])
         roof["bf16_dot_peak_gflops"], roof["bf16_dot_peak_source"] = bf16_dot_peak(env["isa"], threads,
                                                                                  roof["fma_peak_gflops"])
-        print(f"# roofline: copy bandwidth {roof['copy_bandwidth_gbs']:.1f} GB/s (read+write, 2 threads), "
-              f"f32 FMA peak {roof['fma_peak_gflops']:.1f} GFLOP/s ({env['isa']}, {threads} threads), "
+        print(f"# roofline ({when}): copy bandwidth {roof['copy_bandwidth_runs'][-1]:.1f} GB/s (read+write, 2 "
+              f"threads), f32 FMA peak {roof['fma_peak_runs'][-1]:.1f} GFLOP/s ({env['isa']}, {threads} threads), "
               f"bf16 dot peak {report.fmt(roof['bf16_dot_peak_gflops'], '.1f')} "
               f"({roof['bf16_dot_peak_source']})", flush=True)
 
-    ops_rows = run_ops(args.quick, impls, target, roof) if "ops" in sections else []
-    layer_rows = run_layer(args.quick, target, roof, baseline_path) if "layer" in sections else []
+    measure_roofline("before")
+    ops_rows = run_ops(args.quick, impls, target) if "ops" in sections else []
+    layer_rows = run_layer(args.quick, target, baseline_path) if "layer" in sections else []
+    if (ops_rows or layer_rows) and not args.quick:
+        measure_roofline("after")
+    for r in ops_rows + layer_rows:
+        report.add_rates(r, r.get("native"), roof)
 
     vjson = vllm.pop("json", None)
     if vjson is not None:

@@ -107,6 +107,9 @@ def test_ratio_columns_come_from_the_measured_medians(quick_run):
         if r.get("unit") == "bytes":
             assert _close(r["gbs"], r["work"] / r["native"]["median_ms"] / 1e6)
             assert _close(r["frac_roofline"], r["gbs"] / res["roofline"]["copy_bandwidth_gbs"])
+    shared = os.environ.get("GDN_SHARED_DIR", os.path.join(ROOT, os.pardir, "shared"))
+    if os.path.exists(os.path.join(shared, "bench", "jnp_baseline", "bench_jnp_baseline.py")):
+        assert all("jnp_baseline" in r for r in res["layer"]), "the baseline exists but was not timed"
     for r in res["layer"]:
         if "jnp_baseline" in r:
             assert _close(r["speedup_vs_jnp_baseline"], r["jnp_baseline"]["median_ms"] / r["native"]["median_ms"])
