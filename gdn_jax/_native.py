@@ -90,3 +90,11 @@ def copy_slots(pool, src, dst):
         vmap_method="sequential",
     )
     return call(pool, src, dst)
+
+
+def report(x, status, *, op, templates):
+    """x unchanged (aliased, no copy); prints the status message to stderr when status is an error."""
+    require_native()
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "report", _sds(x), input_output_aliases={0: 0},
+                            vmap_method="sequential")
+    return call(x, status, op=op, templates=templates)

@@ -8,8 +8,8 @@ at trace time naming the argument) and refuse the same bad batches before writin
 Data-dependent errors (a slot out of range, one slot named twice, a bad ``query_start_loc``
 or ``num_accepted_tokens``): the op writes nothing and its output is zero. Called eagerly,
 the op raises ``InvalidBatchError``; under ``jit`` it cannot raise without losing a donated
-cache, so it logs the error from a host callback (only when one occurs) and returns the
-caches unchanged. The ``*_with_status`` variants return the status vector instead, for
+cache, so it reports the error on stderr (natively on the CPU; elsewhere from a host
+callback taken only when one occurs) and returns the caches unchanged. The ``*_with_status`` variants return the status vector instead, for
 callers that check it themselves (the serving steps do).
 
 Shapes: T tokens, S rows (sequences), H key heads, HV value heads (HV % H == 0), K/V head
@@ -54,15 +54,27 @@ def _report_host(op: str, status) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
 
-def report_status(op: str, status) -> None:
-    """Raise (eager) or log from a host callback (traced) if ``status`` is an error."""
+_TEMPLATES = "\n".join(C.STATUS_MESSAGES[c] for c in range(1, max(C.STATUS_MESSAGES) + 1))
+
+
+def report_status(op: str, status, carrier):
+    """Raise (eager) or report (traced) ``status`` if it is an error; returns ``carrier``.
+
+    Traced on the CPU with the native module, ``carrier`` (any result of the op) passes
+    through the native ``report`` call, aliased (nothing copied), which prints the message to
+    stderr when the status is an error: the call stays on JAX's fast dispatch path. Elsewhere
+    the message is logged from a host callback taken only when an error occurs.
+    """
     if isinstance(status, jax.core.Tracer):
+        if jax.default_backend() == "cpu" and native_available():
+            return _native.report(carrier, status, op=op, templates=_TEMPLATES)
         jax.lax.cond(status[0] != 0, lambda s: jax.debug.callback(lambda v: _report_host(op, v), s),
                      lambda s: None, status)
-        return
+        return carrier
     msg = C.status_message(op, status)
     if msg:
         raise InvalidBatchError(msg)
+    return carrier
 
 
 def _guarded(status, run, skip):
@@ -164,7 +176,7 @@ def causal_conv1d_fwd(x, *, weight, bias, conv_state, query_start_loc, state_ind
         x, weight=weight, bias=bias, conv_state=conv_state, query_start_loc=query_start_loc,
         state_indices=state_indices, has_initial_state=has_initial_state, activation=activation,
         conv_state_layout=conv_state_layout, impl=impl)
-    report_status("causal_conv1d_fwd", status)
+    y = report_status("causal_conv1d_fwd", status, y)
     return y, cs
 
 
@@ -223,7 +235,7 @@ def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activati
         x, weight=weight, bias=bias, conv_state=conv_state, state_indices=state_indices, activation=activation,
         num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
         conv_state_layout=conv_state_layout, impl=impl)
-    report_status("causal_conv1d_update", status)
+    y = report_status("causal_conv1d_update", status, y)
     return y, cs
 
 
@@ -293,7 +305,7 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, ssm_state, query_start_loc, stat
         q, k, v, g=g, beta=beta, ssm_state=ssm_state, query_start_loc=query_start_loc,
         state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
         use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
-    report_status("chunk_gated_delta_rule", status)
+    o = report_status("chunk_gated_delta_rule", status, o)
     return o, st
 
 
@@ -347,7 +359,7 @@ def fused_sigmoid_gating_delta_rule_update(q, k, v, *, a, b, A_log, dt_bias, ssm
     o, st, status = fused_sigmoid_gating_delta_rule_update_with_status(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_indices=state_indices,
         scale=scale, use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
-    report_status("fused_sigmoid_gating_delta_rule_update", status)
+    o = report_status("fused_sigmoid_gating_delta_rule_update", status, o)
     return o, st
 
 
@@ -401,7 +413,7 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, query_start_loc=query_start_loc,
         spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens, scale=scale,
         use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
-    report_status("fused_sigmoid_gating_delta_rule_update_spec", status)
+    o = report_status("fused_sigmoid_gating_delta_rule_update_spec", status, o)
     return o, st
 
 
@@ -436,5 +448,4 @@ def copy_slots(pool, *, src, dst, impl="auto"):
       pool, also for bf16 pools, which a jnp scatter would convert whole on XLA:CPU).
     """
     pool, status = copy_slots_with_status(pool, src=src, dst=dst, impl=impl)
-    report_status("copy_slots", status)
-    return pool
+    return report_status("copy_slots", status, pool)

@@ -132,7 +132,7 @@ def test_targets_registered_with_prefix():
     from gdn_jax import _ffi
 
     names = set(_ffi._gdn_ffi.registrations())
-    assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk", "copy_slots"}
+    assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk", "copy_slots", "report"}
 
 
 def test_impl_resolution():
@@ -169,6 +169,24 @@ def test_donated_cache_is_updated_in_place():
     pool = r"f32\[16,3,40\]"
     copies = [l for l in hlo.splitlines() if re.search(pool + r"[^=]*=[^=]*\bcopy\(", l) or
               (re.search(r"=\s*" + pool, l) and " copy(" in l)]
+    assert not copies, "\n".join(copies)
+
+
+def test_copy_slots_pool_passes_the_report_call_in_place():
+    """copy_slots returns the pool through the native report call: still in place, no copy."""
+    pool = jnp.asarray(np.random.default_rng(3).normal(size=(16, 3, 40)), jnp.float32)
+    before = np.asarray(pool).copy()
+    f = jax.jit(lambda p, s, d: gdn_jax.copy_slots(p, src=s, dst=d, impl="native"), donate_argnums=(0,))
+    ptr = pool.unsafe_buffer_pointer()
+    src, dst = jnp.asarray([2, 5], jnp.int32), jnp.asarray([9, -1], jnp.int32)
+    out = f(pool, src, dst)
+    assert out.unsafe_buffer_pointer() == ptr
+    expected = before.copy()
+    expected[9] = before[2]
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    hlo = f.lower(out, src, dst).compile().as_text()
+    assert "gdn_jax_report" in hlo
+    copies = [l for l in hlo.splitlines() if " copy(" in l and "f32[16,3,40]" in l]
     assert not copies, "\n".join(copies)
 
 

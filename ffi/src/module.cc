@@ -22,6 +22,7 @@ XLA_FFI_Error* GdnConvUpdate(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnRecurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnChunk(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnCopySlots(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnReport(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -41,6 +42,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["recurrent"] = capsule(gdn::GdnRecurrent);
     d["chunk"] = capsule(gdn::GdnChunk);
     d["copy_slots"] = capsule(gdn::GdnCopySlots);
+    d["report"] = capsule(gdn::GdnReport);
     return d;
   });
   m.def("available_isas", &gdn::available_isas, "ISAs compiled in and supported by this CPU, best first.");
