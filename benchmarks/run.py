@@ -566,7 +566,7 @@ def main(argv=None):
                          "per 2048-token call")
     ap.add_argument("--vllm-wait-quiet", type=float, default=30.0,
                     help="seconds vLLM's harness waits for the machine to go quiet before starting")
-    ap.add_argument("--vllm-timeout", type=float, default=3600.0,
+    ap.add_argument("--vllm-timeout", type=float, default=7200.0,
                     help="seconds after which vLLM's harness is stopped (it waits for quiet and re-measures rows "
                          "that other processes disturbed; its JSON is written at the end only)")
     ap.add_argument("--no-plots", action="store_true")

@@ -42,27 +42,39 @@ def patch_source(src: str) -> str | None:
 
 
 def _run(cmd, log_path, timeout_s):
-    """Run cmd, streaming its output to log_path and (prefixed) to our stderr; returns rc."""
-    t0 = time.time()
+    """Run cmd, streaming its output to log_path and (prefixed) to our stderr; a watchdog kills it
+    after timeout_s (its JSON is written at the end only, so a killed run gives nothing). Returns rc."""
+    import threading
+
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        fired = []
+
+        def kill():
+            if p.poll() is None:
+                fired.append(True)
+                p.kill()
+
+        dog = threading.Timer(timeout_s, kill) if timeout_s else None
+        if dog:
+            dog.start()
         try:
             for line in p.stdout:
                 log.write(line)
                 log.flush()
                 print("[vllm] " + line.rstrip(), file=sys.stderr, flush=True)
-                if timeout_s and time.time() - t0 > timeout_s:
-                    p.kill()
-                    log.write(f"\n(killed by run.py after {timeout_s} s)\n")
-                    break
         finally:
             rc = p.wait()
+            if dog:
+                dog.cancel()
+        if fired:
+            log.write(f"\n(killed by run.py after {timeout_s} s: --vllm-timeout)\n")
     return rc
 
 
-def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, timeout_s=5400):
+def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, timeout_s=7200):
     """Run the harness; returns a dict: status ('ok' | 'failed'), cmd, patched, json (parsed), log."""
     import json
 

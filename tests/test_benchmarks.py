@@ -263,3 +263,13 @@ def test_targets_from_synthetic_numbers():
     assert ck["status"] == "not met" and _close(ck["value"], 0.3)
     none = {(x["target"], x["case"]): x for x in report.targets(_res(vllm=dict(status="not requested")))}
     assert none[("decode f32 state: never slower than vLLM's kernel (op)", "B=8")]["status"] == "not measured"
+
+
+def test_run_harness_timeout_kills_a_stuck_harness(tmp_path):
+    h = tmp_path / "slow.py"
+    h.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    t0 = time.time()
+    info = vc.run_harness(sys.executable, str(h), str(tmp_path / "out"), quick=True, timeout_s=1.0)
+    assert time.time() - t0 < 30
+    assert info["status"] == "failed" and "rc=-9" in info["error"], info
+    assert "--vllm-timeout" in (tmp_path / "out" / "vllm_harness.log").read_text()
