@@ -437,13 +437,13 @@ def layer_cases(quick):
     return out
 
 
-def run_layer(quick, target, baseline_path):
+def run_layer(quick, target, baseline_path, no_wait):
     bl = load_baseline(baseline_path)
     if bl is None:
         print(f"(no jnp baseline at {os.path.abspath(baseline_path)}: layer rows without it)", flush=True)
     c = bl.Cfg() if bl else None
-    if bl is not None and quick:
-        bl.FOREIGN_MAX = float("inf")  # a smoke run does not wait for the machine to go quiet
+    if bl is not None and no_wait:
+        bl.FOREIGN_MAX = float("inf")  # do not wait for quiet and re-measure (a smoke run, a busy machine)
     rows = []
     for case in layer_cases(quick):
         ours = case["ours"](target)
@@ -569,6 +569,9 @@ def main(argv=None):
     ap.add_argument("--vllm-timeout", type=float, default=7200.0,
                     help="seconds after which vLLM's harness is stopped (it waits for quiet and re-measures rows "
                          "that other processes disturbed; its JSON is written at the end only)")
+    ap.add_argument("--no-wait", action="store_true",
+                    help="the jnp baseline does not wait for a quiet machine to re-measure rows that other processes "
+                         "disturbed (it does by default, up to 3 times; --quick implies --no-wait)")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
@@ -585,7 +588,8 @@ def main(argv=None):
                cpu_features=gdn_jax.cpu_features(), jax=jax.__version__, python=platform.python_version(),
                command=shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]),
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               quick=args.quick, target_s=target, sections=sections, impls=impls)
+               quick=args.quick, target_s=target, sections=sections, impls=impls,
+               baseline_waits_for_quiet=not (args.quick or args.no_wait))
     print(f"# gdn_jax benchmarks  isa={env['isa']}  cpus={env['logical_cpus']}  jax={env['jax']}  "
           f"{env['cpu_model']}", flush=True)
 
@@ -617,7 +621,7 @@ def main(argv=None):
 
     measure_roofline("before")
     ops_rows = run_ops(args.quick, impls, target) if "ops" in sections else []
-    layer_rows = run_layer(args.quick, target, baseline_path) if "layer" in sections else []
+    layer_rows = run_layer(args.quick, target, baseline_path, args.quick or args.no_wait) if "layer" in sections else []
     if (ops_rows or layer_rows) and not args.quick:
         measure_roofline("after")
     for r in ops_rows + layer_rows:
