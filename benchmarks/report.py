@@ -242,7 +242,7 @@ def markdown(res, md_dir):
           f"{roof.get('bf16_dot_peak_source', '-')} |", "",
           "Decode, spec and conv rows report bytes moved per second (state or activations, read + written) "
           "against the copy bandwidth; chunk and prefill rows report the chunked algorithm's GFLOP/s "
-          "(`run.chunk_flops`: state products, causal C x C products, the triangular solve) against the bf16 "
+          "(`run.chunk_flops`: ffi/README.md's count for the chunk kernel, 8.2 MFLOP per value head and 64-token chunk) against the bf16 "
           "dot-product peak.", ""]
     # targets
     L += ["## Targets (issue #6), computed from this run", "",

@@ -84,11 +84,20 @@ def stats(times, snap0, tokens):
                 iters=len(times), tokens_per_s=tokens / med * 1e3, foreign_cores=foreign_cores(snap0, _cpu_snapshot()))
 
 
-def timeit(fn, args, *, donate_idx, tokens, min_iters=5, target_s=1.0, max_iters=200):
-    """Wall-time stats (ms) of fn(*args), threading the donated cache through the calls."""
+def timeit(fn, args, *, donate_idx, tokens, rotate=None, min_iters=5, target_s=1.0, max_iters=200):
+    """Wall-time stats (ms) of fn(*args), threading the donated cache through the calls; rotate =
+    (argument position, [values]) cycles that argument (disjoint slot sets: cold state)."""
     args = list(args)
+    calls = [0]
+
+    def next_args():
+        if rotate is not None:
+            args[rotate[0]] = rotate[1][calls[0] % len(rotate[1])]
+        calls[0] += 1
+        return args
+
     for _ in range(2):
-        out = fn(*args)
+        out = fn(*next_args())
         jax.block_until_ready(out)
         if donate_idx is not None:
             args[donate_idx] = out[1]
@@ -96,8 +105,9 @@ def timeit(fn, args, *, donate_idx, tokens, min_iters=5, target_s=1.0, max_iters
     snap0 = _cpu_snapshot()
     t_end = time.perf_counter() + target_s
     while len(times) < min_iters or (time.perf_counter() < t_end and len(times) < max_iters):
+        a = next_args()
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*a)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3)
         if donate_idx is not None:
@@ -110,22 +120,20 @@ def rnd(rng, shape, dtype, scale=1.0):
 
 
 def pool_slots(slot_bytes, used, cold):
-    """Enough slots that the pool exceeds the LLC (cold state) when asked."""
+    """Enough slots that the pool is 4x the LLC (cold state, as vLLM's harness and the jnp baseline) when asked."""
     if not cold:
         return max(used, 1)
-    return max(used, int(np.ceil(2 * LLC_BYTES / slot_bytes)))
+    return max(used, int(np.ceil(4 * LLC_BYTES / slot_bytes)))
 
 
 def chunk_flops(lens):
-    """FLOPs of the chunked algorithm (chunk C=64), one model for ops, layer and vLLM rows.
-
-    Per value head and chunk: three C x K x V products against the state (W.S, Q.S, K^T.V'), each
-    2CKV; five C x C products that are causal (K K^T, Q K^T, T.(beta K), T.(beta V), P.V'), each
-    half of 2C^2 x 128; the triangular solve C^3/3. Element-wise work (gates, decays, norms, conv)
-    is not counted."""
+    """FLOPs of the chunked algorithm (chunk C=64), one model for ops, layer and vLLM rows: the count
+    of ffi/README.md (chunk, "Flops"): per value head and 64-token chunk at K = V = 128, Q.S0 + K.S0,
+    the state update, the causal T.R and P.V_new, the raw scores shared by a key head's value
+    heads, T: about 4.1 M multiply-adds = 8.2 MFLOP, scaled by K.V / 128^2. Element-wise work
+    (gates, decays, norms, conv) is not counted."""
     n_chunks = sum((n + CHUNK - 1) // CHUNK for n in lens)
-    per = 3 * 2 * CHUNK * K * V + 5 * CHUNK * CHUNK * max(K, V) + CHUNK ** 3 / 3
-    return HV * n_chunks * per
+    return HV * n_chunks * 8.2e6 * (K * V) / (128 * 128)
 
 
 # --- ops: each op alone ------------------------------------------------------------------------
@@ -140,10 +148,11 @@ def case_decode(rng, B, state_dtype, impl, cold=True):
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
     pool = jnp.zeros((N, HV, K, V), state_dtype)
-    idx = jnp.asarray(rng.permutation(N)[:B], jnp.int32)
-    fn = jax.jit(lambda q, k, v, a, b, pool: ops.fused_sigmoid_gating_delta_rule_update(
+    perm = rng.permutation(N)
+    sets = [jnp.asarray(perm[i * B:(i + 1) * B], jnp.int32) for i in range(N // B)]
+    fn = jax.jit(lambda q, k, v, a, b, pool, idx: ops.fused_sigmoid_gating_delta_rule_update(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt, ssm_state=pool, state_indices=idx, impl=impl), donate_argnums=5)
-    return fn, (q, k, v, a, b, pool), 5, B, 2 * B * sb
+    return fn, (q, k, v, a, b, pool, sets[0]), 5, B, 2 * B * sb, (6, sets)
 
 
 def case_decode_pool(rng, B, N, impl):
@@ -158,7 +167,7 @@ def case_decode_pool(rng, B, N, impl):
     idx = jnp.arange(B, dtype=jnp.int32) * (N // B)
     fn = jax.jit(lambda q, k, v, a, b, pool: ops.fused_sigmoid_gating_delta_rule_update(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt, ssm_state=pool, state_indices=idx, impl=impl), donate_argnums=5)
-    return fn, (q, k, v, a, b, pool), 5, B, 2 * B * sb
+    return fn, (q, k, v, a, b, pool), 5, B, 2 * B * sb, None
 
 
 def case_spec(rng, S, Q, state_dtype, impl, cold=True):
@@ -171,13 +180,14 @@ def case_spec(rng, S, Q, state_dtype, impl, cold=True):
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
     pool = jnp.zeros((N, HV, K, V), state_dtype)
-    idx = jnp.asarray(rng.permutation(N)[:S * Q].reshape(S, Q), jnp.int32)
+    perm = rng.permutation(N)
+    sets = [jnp.asarray(perm[i * T:(i + 1) * T].reshape(S, Q), jnp.int32) for i in range(N // T)]
     qsl = jnp.arange(0, T + 1, Q, dtype=jnp.int32)
     acc = jnp.asarray(rng.integers(1, Q + 1, size=S), jnp.int32)
-    fn = jax.jit(lambda q, k, v, a, b, pool: ops.fused_sigmoid_gating_delta_rule_update_spec(
+    fn = jax.jit(lambda q, k, v, a, b, pool, idx: ops.fused_sigmoid_gating_delta_rule_update_spec(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt, ssm_state=pool, query_start_loc=qsl, spec_state_indices=idx,
         num_accepted_tokens=acc, impl=impl), donate_argnums=5)
-    return fn, (q, k, v, a, b, pool), 5, T, S * sb * (1 + Q)
+    return fn, (q, k, v, a, b, pool, sets[0]), 5, T, S * sb * (1 + Q), (6, sets)
 
 
 def case_chunk(rng, lens, state_dtype, impl):
@@ -194,7 +204,7 @@ def case_chunk(rng, lens, state_dtype, impl):
     fn = jax.jit(lambda q, k, v, g, beta, pool: ops.chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, ssm_state=pool, query_start_loc=qsl, state_indices=idx, has_initial_state=hs,
         impl=impl), donate_argnums=5)
-    return fn, (q, k, v, g, beta, pool), 5, T, chunk_flops(lens)
+    return fn, (q, k, v, g, beta, pool), 5, T, chunk_flops(lens), None
 
 
 def case_conv_fwd(rng, lens, impl):
@@ -208,7 +218,7 @@ def case_conv_fwd(rng, lens, impl):
     fn = jax.jit(lambda x, pool: ops.causal_conv1d_fwd(
         x, weight=w, bias=None, conv_state=pool, query_start_loc=qsl, state_indices=idx, has_initial_state=hs,
         impl=impl), donate_argnums=1)
-    return fn, (x, pool), 1, T, 2 * T * D * 2
+    return fn, (x, pool), 1, T, 2 * T * D * 2, None
 
 
 def case_conv_update(rng, B, impl):
@@ -219,7 +229,7 @@ def case_conv_update(rng, B, impl):
     idx = jnp.asarray(rng.permutation(N)[:B], jnp.int32)
     fn = jax.jit(lambda x, pool: ops.causal_conv1d_update(
         x, weight=w, bias=None, conv_state=pool, state_indices=idx, impl=impl), donate_argnums=1)
-    return fn, (x, pool), 1, B, B * D * 2 * (2 * (W - 1) + 2)
+    return fn, (x, pool), 1, B, B * D * 2 * (2 * (W - 1) + 2), None
 
 
 def case_gating(rng, T, impl):
@@ -227,7 +237,7 @@ def case_gating(rng, T, impl):
     A_log = jnp.zeros((HV,), jnp.float32)
     dt = jnp.zeros((HV,), jnp.float32)
     fn = jax.jit(lambda a, b: ops.fused_gdn_gating(a, b, A_log=A_log, dt_bias=dt, impl=impl))
-    return fn, (a, b), None, T, 0
+    return fn, (a, b), None, T, 0, None
 
 
 def _op(op, case, make, *, unit=None, vllm=None, state=None, x=None, impls=None):
@@ -292,8 +302,8 @@ def run_ops(quick, impls, target):
             if c["impls"] and impl not in c["impls"]:
                 continue
             rng = np.random.default_rng(0)
-            fn, fargs, didx, tokens, work = c["make"](rng, impl)
-            row[impl] = timeit(fn, fargs, donate_idx=didx, tokens=tokens, target_s=target)
+            fn, fargs, didx, tokens, work, rot = c["make"](rng, impl)
+            row[impl] = timeit(fn, fargs, donate_idx=didx, tokens=tokens, rotate=rot, target_s=target)
             row.update(tokens=tokens, work=work)
             del fn, fargs
         if "native" in row and "reference" in row:
