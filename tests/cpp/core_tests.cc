@@ -230,8 +230,10 @@ void store_state(std::vector<uint8_t>& buf, DType st, const std::vector<double>&
   }
 }
 
-void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng) {
-  GdnCase c;
+// Spec verify (with_spec) and chunked prefill on case c; tags name the dims when they are not
+// the default case's.
+void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng,
+                              const GdnCase& c = GdnCase{}, bool with_spec = true) {
   const int64_t H = c.H, HV = c.HV, K = c.K, V = c.V, N = c.N, G = HV / H;
   const double eps = 1e-6, scale = 1.0 / std::sqrt(double(K));
   std::vector<double> S0(N * HV * K * V);
@@ -241,12 +243,13 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
   std::vector<uint8_t> pool(ssize);
   store_state(pool, sdt, S0);
   const std::vector<double> S0r = read_act(pool.data(), sdt, S0.size());  // what the pool holds
-  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
-                          (sdt == DType::f32 ? " state f32" : " state bf16");
+  std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
+                    (sdt == DType::f32 ? " state f32" : " state bf16");
+  if (K != GdnCase{}.K || V != GdnCase{}.V) tag += " K" + std::to_string(K) + " V" + std::to_string(V);
   const bool f32all = act == DType::f32 && sdt == DType::f32;
 
   // Spec verify: rows with q = {3, 1, 2}, acc = {2, 1, 3}, 3 columns; row 1 is padding.
-  {
+  if (with_spec) {
     const int64_t cols = 3, S = 3;
     std::vector<int32_t> qsl = {0, 3, 4, 6}, acc = {2, 1, 3};
     std::vector<int32_t> idx = {0, 1, 2, -1, -1, -1, 3, 4, 5};
@@ -766,6 +769,10 @@ int main() {
       for (bool ds : {false, true})
         for (int W : {4, 3}) test_conv(kt, act, ds, W, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng);
+      // The chunk at Qwen3-Next head dims (K = V = 128: GEMM depths of 128, 8 panels).
+      GdnCase big;
+      big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
+      test_recurrent_and_chunk(kt, act, DType::f32, rng, big, false);
     }
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);
