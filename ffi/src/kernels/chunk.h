@@ -113,10 +113,14 @@ inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t cs
 }
 
 // gemm(): the micro-GEMM every product below calls; TA is the call's activation dtype. The
-// AMX translation units (GDN_AMX) provide it on tiles with the same contract, choosing the
-// product precision from TA (kernels/amx_gemm.h); the others use gemm_vf and ignore TA.
+// AMX translation units (GDN_AMX) provide it on tiles (kernels/amx_gemm.h) and the Armv8.6
+// BF16 one (GDN_ARM_BF16) with BFMMLA (kernels/neon_bf16_gemm.h), both with the same contract
+// and split-bf16 operands whose precision follows TA (kernels/bf16_split.h); the others use
+// gemm_vf and ignore TA.
 #if defined(GDN_AMX)
 #include "kernels/amx_gemm.h"
+#elif defined(GDN_ARM_BF16)
+#include "kernels/neon_bf16_gemm.h"
 #else
 template <class TO, class TA = float>
 inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
