@@ -98,6 +98,33 @@ inline __m256 exp8(__m256 a) {
 }
 inline VF vexp(VF a) { return {exp8(a.lo), exp8(a.hi)}; }
 
+// x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU (its hot spot). Cheaper than through
+// vexp and a division, same accuracy class (a few ulp): e^-x with the argument clamped to
+// [-87.3, 88] so that one exponent scale suffices (for x < -88 the true value is below
+// 1e-36 in magnitude), and 1 / (1 + e) as rcpps refined by one Newton step (~2^-22).
+inline __m256 silu8(__m256 x) {
+  const __m256 a = _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(88.f)),
+                                 _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), a);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256 scale =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  const __m256 d = _mm256_fmadd_ps(p, scale, _mm256_set1_ps(1.f));  // 1 + e^-x
+  __m256 y = _mm256_rcp_ps(d);
+  y = _mm256_mul_ps(y, _mm256_fnmadd_ps(d, y, _mm256_set1_ps(2.f)));
+  return _mm256_mul_ps(x, y);
+}
+inline VF vsilu(VF a) { return {silu8(a.lo), silu8(a.hi)}; }
+
 inline float vsum(VF a) {
   // Same pairwise order as the generic back end.
   const __m256 h = _mm256_add_ps(a.lo, a.hi);
