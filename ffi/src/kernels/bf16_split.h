@@ -39,28 +39,8 @@ struct SplitPairs<3> {  // f32 activations: 24 bits per operand, all products of
 template <class TA>
 constexpr int split_parts() { return std::is_same<TA, bf16>::value ? 2 : 3; }
 
-// Per-thread packing buffer, allocated on a thread's first call (grown if a later call
-// needs more) and freed at thread exit: no allocation per call. Every element a call reads
-// was written by the same call. 64-byte aligned.
-struct SplitScratch {
-  bf16* mem = nullptr;
-  int64_t cap = 0;
-  ~SplitScratch() { delete[] mem; }
-};
-
-inline bf16* split_scratch(int64_t elems) {
-  static thread_local SplitScratch s;
-  if (elems > s.cap) {
-    delete[] s.mem;
-    s.mem = nullptr;
-    s.cap = 0;
-    s.mem = new bf16[size_t(elems + 32)];
-    s.cap = elems;
-  }
-  uintptr_t u = reinterpret_cast<uintptr_t>(s.mem);
-  u = (u + 63) & ~uintptr_t(63);
-  return reinterpret_cast<bf16*>(u);
-}
+// Per-thread packing buffer (see thread_scratch in scalar.h).
+inline bf16* split_scratch(int64_t elems) { return thread_scratch<bf16, 1>(elems); }
 
 // 16 floats -> Parts bf16 vectors at out[t] (x = out[0] + out[1] + ... + residual). x - x0
 // is exact in f32 (the rounding error of a coarser format).

@@ -73,9 +73,10 @@ GDN_VF_BINOP(/, _mm256_div_ps)
 inline VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline VF vmax(VF a, VF b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 
-// Same algorithm and constants as the AVX-512 exp (vec_avx512.h); 2^n built in the exponent.
-inline __m256 exp8(__m256 a) {
-  const __m256 x = _mm256_max_ps(_mm256_min_ps(a, _mm256_set1_ps(88.7228391f)), _mm256_set1_ps(-87.3f));
+// e^x = p * 2^n for x already clamped to the range the caller can scale: n = round(x / ln 2)
+// and p = e^r, r = x - n ln 2 (ln 2 in two parts), by the polynomial of the AVX-512 exp
+// (vec_avx512.h). Returns p, n in *n_out.
+inline __m256 exp8_reduced(__m256 x, __m256* n_out) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -86,13 +87,23 @@ inline __m256 exp8(__m256 a) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  *n_out = n;
+  return _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+}
+// 2^n for integral n in [-126, 127], built in the exponent field.
+inline __m256 pow2_8(__m256i n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+
+// Same algorithm and constants as the AVX-512 exp (vec_avx512.h).
+inline __m256 exp8(__m256 a) {
+  const __m256 x = _mm256_max_ps(_mm256_min_ps(a, _mm256_set1_ps(88.7228391f)), _mm256_set1_ps(-87.3f));
+  __m256 n;
+  const __m256 p = exp8_reduced(x, &n);
   // n in [-126, 128]: split 2^n = 2^(n/2) * 2^(n - n/2) so neither factor overflows.
   const __m256i ni = _mm256_cvtps_epi32(n);
   const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-  __m256 res = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  const __m256 res = _mm256_mul_ps(_mm256_mul_ps(p, pow2_8(n1)), pow2_8(n2));
   // Below the clamp the true value is < 2^-126: flush to 0 like the other back ends' underflow.
   return _mm256_and_ps(res, _mm256_cmp_ps(a, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
 }
@@ -105,20 +116,9 @@ inline VF vexp(VF a) { return {exp8(a.lo), exp8(a.hi)}; }
 inline __m256 silu8(__m256 x) {
   const __m256 a = _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(88.f)),
                                  _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), a);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256 scale =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-  const __m256 d = _mm256_fmadd_ps(p, scale, _mm256_set1_ps(1.f));  // 1 + e^-x
+  __m256 n;
+  const __m256 p = exp8_reduced(a, &n);
+  const __m256 d = _mm256_fmadd_ps(p, pow2_8(_mm256_cvtps_epi32(n)), _mm256_set1_ps(1.f));  // 1 + e^-x
   __m256 y = _mm256_rcp_ps(d);
   y = _mm256_mul_ps(y, _mm256_fnmadd_ps(d, y, _mm256_set1_ps(2.f)));
   return _mm256_mul_ps(x, y);
