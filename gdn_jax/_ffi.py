@@ -68,15 +68,24 @@ def set_isa(name: str) -> None:
     """Force the kernels of one available ISA for every later native call (tests, benchmarks).
 
     Raises ValueError naming the ISA and why when it is unknown or this CPU lacks a feature.
-    Takes effect at execution time, also for functions compiled earlier.
+    Takes effect at execution time, also for functions compiled earlier. JAX dispatches
+    asynchronously, so it first waits for every computation already dispatched (those whose
+    results are still alive, ``jax.live_arrays()``): each runs on the ISA selected when it was
+    dispatched. Process-wide: do not switch while another Python thread dispatches native ops.
     """
     require_native()
+    if name not in _gdn_ffi.available_isas():
+        _gdn_ffi.select_isa(name)  # raises, naming the reason
+    jax.block_until_ready(jax.live_arrays())
     _gdn_ffi.select_isa(name)
 
 
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
-    """Context manager: run native ops on ``name`` inside the block, then restore."""
+    """Context manager: native ops dispatched inside the block run on ``name``; then restore.
+
+    Leaving the block waits for the computations dispatched inside it (see :func:`set_isa`).
+    """
     previous = selected_isa()
     set_isa(name)
     try:

@@ -22,6 +22,10 @@
 #include "isa/amx_test_hooks.h"
 #define GDN_TEST_AMX 1
 #endif
+#if defined(__aarch64__)
+#include "isa/neon_bf16_test_hooks.h"
+#define GDN_TEST_ARM_BF16 1
+#endif
 
 using namespace gdn;
 
@@ -54,6 +58,11 @@ double rel_rmse(const std::vector<double>& out, const std::vector<double>& ref) 
 void check(const std::string& what, double err, double budget) {
   const bool ok = err <= budget && std::isfinite(err);
   std::printf("%-58s rel_rmse %.2e (budget %.0e) %s\n", what.c_str(), err, budget, ok ? "ok" : "FAIL");
+  (ok ? g_pass : g_fail)++;
+}
+
+void check_true(const std::string& what, bool ok, const std::string& detail = "") {
+  std::printf("%-58s %s%s%s\n", what.c_str(), ok ? "ok" : "FAIL", detail.empty() ? "" : "  ", detail.c_str());
   (ok ? g_pass : g_fail)++;
 }
 
@@ -221,8 +230,10 @@ void store_state(std::vector<uint8_t>& buf, DType st, const std::vector<double>&
   }
 }
 
-void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng) {
-  GdnCase c;
+// Spec verify (with_spec) and chunked prefill on case c; tags name the dims when they are not
+// the default case's.
+void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng,
+                              const GdnCase& c = GdnCase{}, bool with_spec = true) {
   const int64_t H = c.H, HV = c.HV, K = c.K, V = c.V, N = c.N, G = HV / H;
   const double eps = 1e-6, scale = 1.0 / std::sqrt(double(K));
   std::vector<double> S0(N * HV * K * V);
@@ -232,12 +243,13 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
   std::vector<uint8_t> pool(ssize);
   store_state(pool, sdt, S0);
   const std::vector<double> S0r = read_act(pool.data(), sdt, S0.size());  // what the pool holds
-  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
-                          (sdt == DType::f32 ? " state f32" : " state bf16");
+  std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
+                    (sdt == DType::f32 ? " state f32" : " state bf16");
+  if (K != GdnCase{}.K || V != GdnCase{}.V) tag += " K" + std::to_string(K) + " V" + std::to_string(V);
   const bool f32all = act == DType::f32 && sdt == DType::f32;
 
   // Spec verify: rows with q = {3, 1, 2}, acc = {2, 1, 3}, 3 columns; row 1 is padding.
-  {
+  if (with_spec) {
     const int64_t cols = 3, S = 3;
     std::vector<int32_t> qsl = {0, 3, 4, 6}, acc = {2, 1, 3};
     std::vector<int32_t> idx = {0, 1, 2, -1, -1, -1, 3, 4, 5};
@@ -332,11 +344,6 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
 #if GDN_TEST_AMX
 // --- AMX tile model (x86 builds) ------------------------------------------------------------
 namespace am = gdn::amx_model_test;
-
-void check_true(const std::string& what, bool ok, const std::string& detail = "") {
-  std::printf("%-58s %s%s%s\n", what.c_str(), ok ? "ok" : "FAIL", detail.empty() ? "" : "  ", detail.c_str());
-  (ok ? g_pass : g_fail)++;
-}
 
 struct TileCfg {
   uint8_t b[64] = {};
@@ -591,15 +598,23 @@ void test_amx_dispatch() {
              isas.size() >= 2 && isas.back() == "amx_model" && isas[isas.size() - 2] == "generic");
 }
 
-// The AMX micro-GEMM through the model against a float64 product. layout of A: 0 row-major
-// (csa = 1), 1 transposed (rsa = 1), 2 other strides. Returns the rel RMSE over the entries
-// the shape needs; checks that the others are untouched.
+#endif
+
+// --- split-bf16 micro-GEMMs (chunk.h's gemm() contract) -------------------------------------
+// The AMX GEMM through the tile model (x86) and the BFMMLA GEMM (aarch64 with BF16), through
+// their test hooks, against a float64 product. layout of A: 0 row-major (csa = 1), 1
+// transposed (rsa = 1), 2 other strides. Returns the rel RMSE over the entries the shape
+// needs; checks that the others are untouched.
+using SplitGemmFn = void (*)(int parts, bool out_bf16, int M, int N, int P, const float* A, int64_t rsa, int64_t csa,
+                             const float* B, int64_t ldb, int64_t bsb, const float* Cin, int64_t ldc, int64_t bsc,
+                             const float* crs, void* Cout, int64_t ldo, int64_t bso, int shape);
+
 struct GemmCase {
   int M, N, P, layout, shape;
   bool cin, exact_a, exact_b;
 };
 
-double run_amx_gemm(const GemmCase& g, int parts, std::mt19937& rng, bool* untouched, std::vector<float>* out_f32 = nullptr,
+double run_split_gemm(SplitGemmFn gemm, const GemmCase& g, int parts, std::mt19937& rng, bool* untouched, std::vector<float>* out_f32 = nullptr,
                     std::vector<uint16_t>* out_b16 = nullptr) {
   std::normal_distribution<float> nd(0.f, 1.f);
   const int M = g.M, N = g.N, P = g.P;
@@ -628,7 +643,7 @@ double run_amx_gemm(const GemmCase& g, int parts, std::mt19937& rng, bool* untou
   std::vector<float> Cf(size_t(M * ldo), sentinel);
   std::vector<uint16_t> Cb(size_t(M * ldo), 0xdead);
   const bool bf16_out = out_b16 != nullptr;
-  am::gemm(parts, bf16_out, M, N, P, A.data(), rsa, csa, B.data(), 16, 16 * P, g.cin ? Cin.data() : nullptr, 16,
+  gemm(parts, bf16_out, M, N, P, A.data(), rsa, csa, B.data(), 16, 16 * P, g.cin ? Cin.data() : nullptr, 16,
            16 * M, g.cin ? crs.data() : nullptr, bf16_out ? (void*)Cb.data() : (void*)Cf.data(), ldo, 16, g.shape);
   std::vector<double> got, ref;
   *untouched = true;
@@ -650,7 +665,7 @@ double run_amx_gemm(const GemmCase& g, int parts, std::mt19937& rng, bool* untou
   return rel_rmse(got, ref);
 }
 
-void test_amx_gemm(std::mt19937& rng) {
+void test_split_gemm(const std::string& name, SplitGemmFn gemm, std::mt19937& rng) {
   const GemmCase cases[] = {
       {64, 128, 128, 0, 0, false, false, false},  // Q S0 at K = V = 128
       {128, 128, 64, 1, 0, true, false, false},   // state update: A = K^T by strides, Cin, row scale
@@ -660,21 +675,23 @@ void test_amx_gemm(std::mt19937& rng) {
       {60, 128, 60, 0, 2, true, false, false},    // P V_new: triangular depth, Cin
       {16, 16, 1, 0, 0, true, false, false},      // depth 1
       {3, 16, 0, 0, 0, true, false, false},       // depth 0: Cout = crs Cin
+      {13, 16, 7, 1, 2, true, false, false},      // transposed, triangular depth, depth tail
+      {9, 80, 3, 2, 1, true, false, false},       // strided, triangular columns past the rows
   };
   for (const GemmCase& g : cases) {
     char tag[96];
-    std::snprintf(tag, sizeof tag, "amx gemm %dx%dx%d A%s%s%s", g.M, g.N, g.P,
+    std::snprintf(tag, sizeof tag, "%s %dx%dx%d A%s%s%s", name.c_str(), g.M, g.N, g.P,
                   g.layout == 0 ? " rows" : g.layout == 1 ? " transposed" : " strided",
                   g.shape == 1 ? " tri-cols" : g.shape == 2 ? " tri-depth" : "", g.cin ? " +Cin" : "");
     bool untouched, u;
     std::mt19937 r1(rng), r2(rng), r3(rng);  // the same operands for every variant
-    const double e2 = run_amx_gemm(g, 2, r2, &untouched);
-    const double e3 = run_amx_gemm(g, 3, r3, &u);
+    const double e2 = run_split_gemm(gemm, g, 2, r2, &untouched);
+    const double e3 = run_split_gemm(gemm, g, 3, r3, &u);
     check(std::string(tag) + " 2 parts (bf16 act)", e2, 1e-5);
     check(std::string(tag) + " 3 parts (f32 act)", e3, 5e-7);
     check_true(std::string(tag) + " writes only what the shape needs", untouched && u);
     if (g.P >= 32) {
-      const double e1 = run_amx_gemm(g, 1, r1, &u);
+      const double e1 = run_split_gemm(gemm, g, 1, r1, &u);
       char d[96];
       std::snprintf(d, sizeof d, "plain bf16 %.1e, 2 parts %.1e, 3 parts %.1e", e1, e2, e3);
       // The split is what makes it accurate: one bf16 rounding per operand is ~2^-9.
@@ -689,13 +706,13 @@ void test_amx_gemm(std::mt19937& rng) {
     bool u1, u2;
     std::vector<float> f;
     std::vector<uint16_t> b;
-    run_amx_gemm(g, 2, r1, &u1, &f, nullptr);
-    const double e = run_amx_gemm(g, 2, r2, &u2, nullptr, &b);
+    run_split_gemm(gemm, g, 2, r1, &u1, &f, nullptr);
+    const double e = run_split_gemm(gemm, g, 2, r2, &u2, nullptr, &b);
     bool same = true;
     for (int i = 0; i < g.M; ++i)
       for (int c = 0; c < g.N; ++c) same &= b[i * (g.N + 16) + c] == bf16_bits(f[i * (g.N + 16) + c]);
-    check("amx gemm 40x48x50 bf16 output", e, 4e-3);
-    check_true("amx gemm bf16 output = RNE(f32 output)", same && u1 && u2);
+    check(name + " 40x48x50 bf16 output", e, 4e-3);
+    check_true(name + " bf16 output = RNE(f32 output)", same && u1 && u2);
   }
   // Operands exact in bf16: the zero low parts are skipped, the result is the same as the
   // plain bf16 product, and only f32 accumulation error remains.
@@ -704,15 +721,13 @@ void test_amx_gemm(std::mt19937& rng) {
     std::mt19937 r1(rng), r2(rng);
     bool u;
     std::vector<float> f1, f2;
-    run_amx_gemm(g, 1, r1, &u, &f1);
-    const double e = run_amx_gemm(g, 2, r2, &u, &f2);
-    check("amx gemm exact-bf16 operands", e, 1e-6);
-    check_true("amx gemm exact-bf16 operands: low parts skipped (= plain bf16)",
+    run_split_gemm(gemm, g, 1, r1, &u, &f1);
+    const double e = run_split_gemm(gemm, g, 2, r2, &u, &f2);
+    check(name + " exact-bf16 operands", e, 1e-6);
+    check_true(name + " exact-bf16 operands: low parts skipped (= plain bf16)",
                std::memcmp(f1.data(), f2.data(), f1.size() * 4) == 0);
   }
 }
-#endif
-
 }  // namespace
 
 int main() {
@@ -725,8 +740,19 @@ int main() {
     test_amx_model_dp_edges();
     test_amx_model_load_store();
     test_amx_model_faults();
-    test_amx_gemm(rng);
+    test_split_gemm("amx gemm", am::gemm, rng);
     test_amx_dispatch();
+  }
+#endif
+#if GDN_TEST_ARM_BF16
+  {
+    const std::vector<std::string> isas = available_isas();
+    if (std::find(isas.begin(), isas.end(), "neon_bf16") != isas.end()) {
+      std::mt19937 rng(77);
+      test_split_gemm("bfmmla gemm", neon_bf16_test::gemm, rng);
+    } else {
+      std::printf("bfmmla gemm: skipped (no BF16 on this CPU)\n");
+    }
   }
 #endif
   for (const std::string& isa : available_isas()) {
@@ -743,6 +769,10 @@ int main() {
       for (bool ds : {false, true})
         for (int W : {4, 3}) test_conv(kt, act, ds, W, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng);
+      // The chunk at Qwen3-Next head dims (K = V = 128: GEMM depths of 128, 8 panels).
+      GdnCase big;
+      big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
+      test_recurrent_and_chunk(kt, act, DType::f32, rng, big, false);
     }
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);

@@ -24,7 +24,7 @@ fi
 for cpu in max neoverse-n1; do
   echo "== aarch64 under qemu-aarch64 -cpu $cpu"
   out=$(qemu-aarch64 -cpu "$cpu" -L /usr/aarch64-linux-gnu ./build/core-aarch64/gdn_core_tests)
-  echo "$out" | head -n 1
+  echo "$out" | sed -n 1p  # sed reads to the end: head could exit first and SIGPIPE the echo (pipefail)
   echo "$out" | grep -E "FAIL" || true
   echo "$out" | tail -n 1
   echo "$out" | tail -n 1 | grep -q ", 0 failed" || { echo "aarch64 ($cpu) core tests failed"; exit 1; }

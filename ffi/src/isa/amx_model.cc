@@ -25,32 +25,9 @@ void tdpbf16ps(int c, int a, int b) { amx_model::amx_model_dpbf16ps(c, a, b); }
 void tilerelease() { amx_model::tile_release(); }
 uint8_t* tile_bytes(int tile) { return amx_model::amx_model_tile_bytes(tile); }
 
-namespace {
-template <int Parts, class TO>
-void run_gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, const float* B, int64_t ldb,
-              int64_t bsb, const float* Cin, int64_t ldc, int64_t bsc, const float* crs, void* Cout, int64_t ldo,
-              int64_t bso, int shape) {
-  using namespace amx_model;
-  gemm_amx<Parts, TO>(M, N, P, A, rsa, csa, Mat<const float>{B, ldb, bsb}, Mat<const float>{Cin, ldc, bsc}, crs,
-                      Mat<TO>{static_cast<TO*>(Cout), ldo, bso}, static_cast<GemmShape>(shape));
-}
-}  // namespace
-
-void gemm(int parts, bool out_bf16, int M, int N, int P, const float* A, int64_t rsa, int64_t csa,
-          const float* B, int64_t ldb, int64_t bsb, const float* Cin, int64_t ldc, int64_t bsc,
-          const float* crs, void* Cout, int64_t ldo, int64_t bso, int shape) {
-#define GDN_RUN(PARTS, TO) run_gemm<PARTS, TO>(M, N, P, A, rsa, csa, B, ldb, bsb, Cin, ldc, bsc, crs, Cout, ldo, bso, shape)
-  if (out_bf16) {
-    if (parts == 1) GDN_RUN(1, bf16);
-    else if (parts == 3) GDN_RUN(3, bf16);
-    else GDN_RUN(2, bf16);
-  } else {
-    if (parts == 1) GDN_RUN(1, float);
-    else if (parts == 3) GDN_RUN(3, float);
-    else GDN_RUN(2, float);
-  }
-#undef GDN_RUN
-}
+#define GDN_SPLIT_GEMM gemm_amx
+#include "isa/split_gemm_test_hook.inc"
+#undef GDN_SPLIT_GEMM
 
 }  // namespace amx_model_test
 }  // namespace gdn

@@ -4,15 +4,11 @@
 //
 //   Cout(i, c) = (crs ? crs[i] * Cin(i, c) : 0) + sum_p A(i, p) * B(p, c),  N % 16 == 0.
 //
-// Tiles hold bf16, so each f32 operand is split into bf16 parts, x = x0 + x1 (+ x2) + r with
-// x0 = bf16(x), x1 = bf16(x - x0), x2 = bf16(x - x0 - x1) (each rounded to nearest even;
-// |r| <= 2^-16 |x| with two parts, 2^-24 |x| with three), and the product is formed from the
-// part products that matter (f32 accumulation inside the tiles):
-//   bf16 activations: 2 parts, A0 B0 + A0 B1 + A1 B0 (3 tile products; what is dropped is
-//                     <= ~3 * 2^-16 of each product, measured ~4.5e-6 rel RMSE per GEMM);
-//   f32 activations:  3 parts, the 6 products of order <= 2 (~1e-7: as accurate as f32).
-// A part that is zero for the whole operand (an operand already exact in bf16) is skipped:
-// the same values, fewer tile products. Design notes and errors: ffi/README.md, AMX-BF16.
+// Tiles hold bf16, so each f32 operand is split into bf16 parts and the part products that
+// matter are summed with f32 accumulation in the tiles (kernels/bf16_split.h: 2 parts / 3
+// products for bf16 activations, measured ~4.5e-6 rel RMSE per GEMM; 3 parts / 6 products for
+// f32 activations, ~1e-7; parts that are zero for a whole operand are skipped). Design notes
+// and errors: ffi/README.md, AMX-BF16.
 //
 // Blocking: 2 x 2 tiles of C (32 x 32 f32) in tmm0..3, two A tiles (tmm4, 5: 16 rows x 32
 // bf16 of depth) and two B tiles (tmm6, 7: 16 VNNI rows of 16 column pairs); every tile is
@@ -22,72 +18,9 @@
 // in the packed copies (rows past M, depth past P, a missing second column tile), and C
 // goes through a 32 x 32 staging block, so only rows < M and columns < N are written.
 
-// Part products kept for a split into `Parts` bf16 parts: A part a[j] times B part b[j].
-template <int Parts>
-struct AmxPairs;
-template <>
-struct AmxPairs<1> {  // plain bf16 GEMM (operands rounded once): tests and measurements only
-  static constexpr int n = 1;
-  static constexpr int a[1] = {0}, b[1] = {0};
-};
-template <>
-struct AmxPairs<2> {  // the back end: x0 y0 + x0 y1 + x1 y0
-  static constexpr int n = 3;
-  static constexpr int a[3] = {0, 0, 1}, b[3] = {0, 1, 0};
-};
-template <>
-struct AmxPairs<3> {  // 24 bits per operand, all products of total order <= 2
-  static constexpr int n = 6;
-  static constexpr int a[6] = {0, 0, 1, 0, 1, 2}, b[6] = {0, 1, 0, 2, 1, 0};
-};
+#include "kernels/bf16_split.h"  // SplitPairs, split16, split_scratch, split_parts
 
 constexpr int kAmxTileElems = 512;  // bf16 per 16 x 64-byte tile
-
-// Per-thread packing buffer, allocated on a thread's first call (grown if a later call
-// needs more) and freed at thread exit; every element read was written by the same call.
-struct AmxScratch {
-  bf16* mem = nullptr;
-  int64_t cap = 0;
-  ~AmxScratch() { delete[] mem; }
-};
-
-inline bf16* amx_scratch(int64_t elems) {
-  static thread_local AmxScratch s;
-  if (elems > s.cap) {
-    delete[] s.mem;
-    s.mem = nullptr;
-    s.cap = 0;
-    s.mem = new bf16[size_t(elems + 32)];
-    s.cap = elems;
-  }
-  uintptr_t u = reinterpret_cast<uintptr_t>(s.mem);
-  u = (u + 63) & ~uintptr_t(63);
-  return reinterpret_cast<bf16*>(u);
-}
-
-// 16 floats -> Parts bf16 vectors at out[t] (x = out[0] + out[1] + ... + residual). x - x0
-// is exact in f32 (the rounding error of a coarser format).
-template <int Parts>
-inline void amx_split16(VF x, bf16* const* out) {
-  for (int t = 0; t < Parts; ++t) {
-    vstore(out[t], x);
-    if (t + 1 < Parts) x = x - vload(out[t]);
-  }
-}
-
-inline VF amx_load_n(const float* p, int n) {
-  if (n >= kLanes) return vload(p);
-  if (n <= 0) return vzero();
-  return vload_n(p, n);
-}
-
-// Bit t set: part t is not exactly zero somewhere in [p, p + n) (bf16 zeros and denormals,
-// which the tile unit treats as zero, do not count).
-inline bool amx_any_nonzero(const bf16* p, int64_t n) {
-  uint32_t any = 0;
-  for (int64_t i = 0; i < n; ++i) any |= p[i].bits & 0x7f80u;
-  return any != 0;
-}
 
 // Tile (row tile mt, depth block d, part t) of packed A: A(mt * 16 + r, d * 32 + j) at
 // [r * 32 + j]. Rows >= M and depth >= P are zero.
@@ -109,11 +42,11 @@ inline void amx_pack_a(int M, int P, const float* A, int64_t rsa, int64_t csa, b
         for (int h = 0; h < 2; ++h) {
           VF x;
           if (csa != 1) x = vload(&blk[r][h * 16]);
-          else x = i < M ? amx_load_n(A + int64_t(i) * rsa + p0 + h * 16, P - p0 - h * 16) : vzero();
+          else x = i < M ? split_load_n(A + int64_t(i) * rsa + p0 + h * 16, P - p0 - h * 16) : vzero();
           bf16* dst[Parts];
           for (int t = 0; t < Parts; ++t)
             dst[t] = out + (int64_t(mt * nd + d) * Parts + t) * kAmxTileElems + r * 32 + h * 16;
-          amx_split16<Parts>(x, dst);
+          split16<Parts>(x, dst);
         }
       }
     }
@@ -136,8 +69,8 @@ inline void amx_pack_b(int P, const float* panel, int64_t ld, bool present, bf16
         de[t] = e[t];
         dov[t] = o[t];
       }
-      amx_split16<Parts>(x0, de);
-      amx_split16<Parts>(x1, dov);
+      split16<Parts>(x0, de);
+      split16<Parts>(x1, dov);
       for (int t = 0; t < Parts; ++t) {
         uint32_t w[16];  // word arithmetic so that the compiler vectorises the interleave
         for (int c = 0; c < 16; ++c) w[c] = uint32_t(e[t][c].bits) | (uint32_t(o[t][c].bits) << 16);
@@ -151,7 +84,7 @@ inline void amx_pack_b(int P, const float* panel, int64_t ld, bool present, bf16
 template <int Parts>
 inline void amx_tile_block(const bf16* a0, const bf16* a1, const bf16* b0, const bf16* b1, int nd,
                            const bool* a_has, const bool* b_has) {
-  using Pairs = AmxPairs<Parts>;
+  using Pairs = SplitPairs<Parts>;
   for (int d = 0; d < nd; ++d) {
     int la = -1, lb = -1;  // parts now in the A and B tiles
     for (int j = 0; j < Pairs::n; ++j) {
@@ -184,7 +117,7 @@ inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t c
   const int mtiles = (M + 31) / 32 * 2;       // row tiles, padded to pairs
   const int64_t a_elems = int64_t(mtiles) * nd * Parts * kAmxTileElems;
   const int64_t b_elems = 2 * int64_t(nd) * Parts * kAmxTileElems;
-  bf16* const apack = amx_scratch(a_elems + b_elems);
+  bf16* const apack = split_scratch(a_elems + b_elems);
   bf16* const bpack = apack + a_elems;
 
   amx_pack_a<Parts>(M, P, A, rsa, csa, apack, mtiles, nd);
@@ -194,7 +127,7 @@ inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t c
     a_has[t] = false;
     for (int mt = 0; mt < mtiles && !a_has[t]; ++mt)
       for (int d = 0; d < nd && !a_has[t]; ++d)
-        a_has[t] = amx_any_nonzero(apack + (int64_t(mt * nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
+        a_has[t] = split_any_nonzero(apack + (int64_t(mt * nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
   }
 
   const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
@@ -211,7 +144,7 @@ inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t c
       b_has[t] = false;
       for (int ct = 0; ct < 2 && !b_has[t]; ++ct)
         for (int d = 0; d < nd && !b_has[t]; ++d)
-          b_has[t] = amx_any_nonzero(bpack + ((int64_t(ct) * nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
+          b_has[t] = split_any_nonzero(bpack + ((int64_t(ct) * nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
     }
     for (int i0 = 0; i0 < M; i0 += 32) {
       if (shape == kGemmTriCols && c0 > i0) continue;  // every row i < i0 + 32 <= c0: not needed
@@ -246,14 +179,9 @@ inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t c
   tile_release();
 }
 
-// The back end's choice (see the README): bf16 activations -> 2 parts (3 tile products, the
-// GEMM error ~5e-6 is far below the bf16 budget); f32 activations -> 3 parts (6 products,
-// ~1e-7: f32-grade, so the f32 budget keeps its margin over long sequences).
-template <class TA>
-constexpr int amx_parts() { return std::is_same<TA, bf16>::value ? 2 : 3; }
-
+// The precision follows the activation dtype TA (split_parts, kernels/bf16_split.h).
 template <class TO, class TA = float>
 inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
                  Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
-  gemm_amx<amx_parts<TA>(), TO>(M, N, P, A, rsa, csa, B, Cin, crs, Cout, shape);
+  gemm_amx<split_parts<TA>(), TO>(M, N, P, A, rsa, csa, B, Cin, crs, Cout, shape);
 }

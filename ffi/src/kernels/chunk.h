@@ -113,10 +113,14 @@ inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t cs
 }
 
 // gemm(): the micro-GEMM every product below calls; TA is the call's activation dtype. The
-// AMX translation units (GDN_AMX) provide it on tiles with the same contract, choosing the
-// product precision from TA (kernels/amx_gemm.h); the others use gemm_vf and ignore TA.
+// AMX translation units (GDN_AMX) provide it on tiles (kernels/amx_gemm.h) and the Armv8.6
+// BF16 one (GDN_ARM_BF16) with BFMMLA (kernels/neon_bf16_gemm.h), both with the same contract
+// and split-bf16 operands whose precision follows TA (kernels/bf16_split.h); the others use
+// gemm_vf and ignore TA.
 #if defined(GDN_AMX)
 #include "kernels/amx_gemm.h"
+#elif defined(GDN_ARM_BF16)
+#include "kernels/neon_bf16_gemm.h"
 #else
 template <class TO, class TA = float>
 inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
@@ -131,28 +135,10 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
 
 constexpr int kChunk = 64;
 
-// Per-thread scratch, allocated once per thread (grown if a call needs more) and freed when
-// the thread exits: no allocation per call. Every byte a work item reads from it was
-// written by that work item first, so results do not depend on which thread ran it.
-struct ChunkScratch {
-  float* mem = nullptr;
-  int64_t cap = 0;
-  ~ChunkScratch() { delete[] mem; }
-};
-
-inline float* chunk_scratch(int64_t floats) {
-  static thread_local ChunkScratch s;
-  if (floats > s.cap) {
-    delete[] s.mem;
-    s.mem = nullptr;
-    s.cap = 0;
-    s.mem = new float[size_t(floats + 16)];
-    s.cap = floats;
-  }
-  uintptr_t u = reinterpret_cast<uintptr_t>(s.mem);
-  u = (u + 63) & ~uintptr_t(63);
-  return reinterpret_cast<float*>(u);
-}
+// Per-thread scratch (thread_scratch in scalar.h): no allocation per call. Every byte a
+// work item reads from it was written by that work item first, so results do not depend on
+// which thread ran it.
+inline float* chunk_scratch(int64_t floats) { return thread_scratch<float, 0>(floats); }
 
 // Layout of one thread's scratch (floats) for head dims K, V and a group of gsz value heads
 // sharing one key head. "Panels" = 16-column blocks, each a contiguous rows x 16 block.

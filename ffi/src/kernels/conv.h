@@ -71,7 +71,7 @@ inline void conv_copy_vec(T* dst, const T* src, int n) {
 
 template <bool SILU>
 inline VF conv_act(VF a) {
-  if (SILU) return a / (vset1(1.f) + vexp(vzero() - a));  // a * sigmoid(a), one division
+  if (SILU) return vsilu(a);
   return a;
 }
 inline VF conv_act_rt(VF a, bool silu) { return silu ? conv_act<true>(a) : a; }

@@ -60,12 +60,23 @@ struct RecGroup {
 };
 
 // kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
+// pf (may be null): the next column block to be read from memory (same row stride); its row
+// k is prefetched beside row k of this one. The rows of a block are V elements apart, short
+// pieces that the hardware prefetchers follow poorly; this pass is the one that waits on
+// memory (the fused pass then reads the block from L1).
 template <int NV, bool kFull, class Src>
-GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv) {
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv, const Src* pf) {
+  constexpr int kLineElems = 64 / int(sizeof(Src));
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
+    if (sizeof(Src) == 2 && pf != nullptr) {  // f32 state: measured no gain (already ~copy bandwidth)
+      for (int e = 0; e < NV * kLanes; e += kLineElems) {
+        __builtin_prefetch(pf + k * ld + e, 0, 3);
+        __builtin_prefetch(pf + (k + 1) * ld + e, 0, 3);
+      }
+    }
     const VF k0 = vset1(kh[k]), k1 = vset1(kh[k + 1]);
     const Src* r0 = s + k * ld;
     const Src* r1 = r0 + ld;
@@ -158,10 +169,10 @@ inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t
 // non-temporal stores, which must not be read back), else from the f32 slot just written.
 template <int NV, bool kFull, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
-                            int64_t col, int ncol, bool keep, float* loc) {
+                            int64_t col, int ncol, bool keep, float* loc, const Src* pf) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv);
+  rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv, pf);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
@@ -188,17 +199,18 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
 
 // One column block (w <= kRecBlock columns from col): a full block in one pass per token,
 // a narrower tail as 16-column pieces (same per-column arithmetic).
+// pf: see rec_kv (full blocks only).
 template <class A, class ST, class Src>
 inline void rec_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V, int64_t col,
-                      int64_t w, bool keep, float* loc) {
+                      int64_t w, bool keep, float* loc, const Src* pf) {
   if (w == kRecBlock) {
-    rec_group_block<kRecBlockVF, true>(g, src, s_ld, K, V, col, kLanes, keep, loc);
+    rec_group_block<kRecBlockVF, true>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
     return;
   }
   for (int64_t off = 0; off < w; off += kLanes) {
     const int64_t n = rec_min(kLanes, w - off);
-    if (n == kLanes) rec_group_block<1, true>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off);
-    else rec_group_block<1, false>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off);
+    if (n == kLanes) rec_group_block<1, true>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, static_cast<const Src*>(nullptr));
+    else rec_group_block<1, false>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, static_cast<const Src*>(nullptr));
   }
 }
 
@@ -299,12 +311,18 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
 
       for (int64_t col = c0; col < c1; col += kRecBlock) {
         const int64_t w = rec_min(kRecBlock, c1 - col);
+        // Prefetch target: the next block of this head, else the next head's first block
+        // when the next item is the same row's next head and starts from the same slot.
+        const ST* pf = nullptr;
+        if (col + kRecBlock < c1) pf = start + col + kRecBlock;
+        else if (it + 1 < it1 && nsplit == 1 && h + 1 < HV) pf = start + head_elems;
         for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
           const int n = int(rec_min(kRecTokGroup, nq - t0));
           if (!one_group) prepare(t0, n);
           const bool keep = t0 + n < nq;  // then the group leaves its state in loc
-          if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc);
-          else rec_block(g, static_cast<const float*>(loc), kRecBlock, K, V, col, w, keep, loc);
+          if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc, pf);
+          else rec_block(g, static_cast<const float*>(loc), kRecBlock, K, V, col, w, keep, loc,
+                         static_cast<const float*>(nullptr));
         }
       }
     }

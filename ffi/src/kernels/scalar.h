@@ -23,3 +23,28 @@ inline void store1(bf16* p, float x) { *p = to_bf16(x); }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+// Per-thread scratch of T, allocated on a thread's first call (grown if a later call needs
+// more) and freed at thread exit: no allocation per call. 64-byte aligned. Tag keeps the
+// buffers of different users apart. Callers read only what the same call wrote.
+template <class T>
+struct ThreadScratch {
+  T* mem = nullptr;
+  int64_t cap = 0;
+  ~ThreadScratch() { delete[] mem; }
+};
+
+template <class T, int Tag>
+inline T* thread_scratch(int64_t elems) {
+  static thread_local ThreadScratch<T> s;
+  if (elems > s.cap) {
+    delete[] s.mem;
+    s.mem = nullptr;
+    s.cap = 0;
+    s.mem = new T[size_t(elems) + 64 / sizeof(T)];
+    s.cap = elems;
+  }
+  uintptr_t u = reinterpret_cast<uintptr_t>(s.mem);
+  u = (u + 63) & ~uintptr_t(63);
+  return reinterpret_cast<T*>(u);
+}

@@ -76,3 +76,6 @@ inline float vsum(VF a) {
 inline void vstream(float* p, VF x) { _mm512_stream_ps(p, x.v); }
 inline void vstream(bf16* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), vf_to_bf16_bits(x)); }
 inline void vstream_fence() { _mm_sfence(); }
+
+// x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
+inline VF vsilu(VF a) { return a / (vset1(1.f) + vexp(vzero() - a)); }

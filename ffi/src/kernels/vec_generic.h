@@ -55,3 +55,6 @@ inline float vsum(VF a) {
 inline void vstream(float* p, VF x) { vstore(p, x); }
 inline void vstream(bf16* p, VF x) { vstore(p, x); }
 inline void vstream_fence() {}
+
+// x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
+inline VF vsilu(VF a) { return a / (vset1(1.f) + vexp(vzero() - a)); }
