@@ -292,7 +292,7 @@ def markdown(res, md_dir):
         for p in res["plots"]:
             rel = os.path.relpath(p, md_dir)
             L.append(f"![{os.path.basename(p)}]({rel})")
-        L += ["", "(PNG files written by the run into `benchmarks/out/`, which is not committed.)", ""]
+        L += ["", "(PNG files written by the run beside this report, in `plots/`.)", ""]
     else:
         L += [res.get("plots_note") or "No plots in this run.", ""]
     return "\n".join(L)

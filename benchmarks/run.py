@@ -558,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--target-s", type=float, default=None,
                     help="seconds of timed calls per case (default 1.0, --quick 0.2)")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "results.json"),
-                    help="results JSON; plots and vLLM's files go beside it")
+                    help="results JSON; vLLM's files go beside it (plots go beside the Markdown report, in plots/)")
     ap.add_argument("--results-md", default=None,
                     help="Markdown report (default benchmarks/RESULTS.md for a full run with every section, "
                          "else RESULTS.md beside --out)")
@@ -645,7 +645,10 @@ def main(argv=None):
 
     res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows)
     res["targets"] = report.targets(res)
-    res["plots"] = [] if args.no_plots else report.plots(res, out_dir)
+    # Plots beside the report (benchmarks/plots/ for a full run, committed with RESULTS.md).
+    plots_dir = os.path.join(os.path.dirname(os.path.abspath(results_md)), "plots")
+    os.makedirs(plots_dir, exist_ok=True)
+    res["plots"] = [] if args.no_plots else report.plots(res, plots_dir)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     md = report.markdown(res, os.path.dirname(os.path.abspath(results_md)))
