@@ -38,7 +38,7 @@ test: build
 test-core: venv
 	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
 
-# Everything, written to benchmarks/RESULTS.md + benchmarks/out/ (results.json, PNG plots). With
+# Everything, written to benchmarks/RESULTS.md + benchmarks/plots/ (PNG) + benchmarks/out/results.json. With
 # vLLM beside it: make bench VLLM_PYTHON=/path/to/vllm-venv/bin/python (or GDN_VLLM_PYTHON=...).
 # matplotlib is the optional `bench` extra of pyproject.toml (plots only).
 VLLM_PYTHON ?=

@@ -67,17 +67,11 @@ def quick_run(tmp_path_factory):
     md = d / "RESULTS.md"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("GDN_VLLM_PYTHON", None)
-    t0 = time.time()
     p = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--target-s", "0.02",
                         "--out", str(out), "--results-md", str(md), "--vllm-json", str(fake)],
                        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    wall = time.time() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return dict(res=json.loads(out.read_text()), md=md.read_text(), stdout=p.stdout, wall=wall, dir=d)
-
-
-def test_quick_run_is_quick(quick_run):
-    assert quick_run["wall"] < 90, f"--quick took {quick_run['wall']:.0f} s"
+    return dict(res=json.loads(out.read_text()), md=md.read_text(), stdout=p.stdout, dir=d)
 
 
 def test_quick_json_has_every_section_and_positive_times(quick_run):
@@ -270,6 +264,6 @@ def test_run_harness_timeout_kills_a_stuck_harness(tmp_path):
     h.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
     t0 = time.time()
     info = vc.run_harness(sys.executable, str(h), str(tmp_path / "out"), quick=True, timeout_s=1.0)
-    assert time.time() - t0 < 30
+    assert time.time() - t0 < 30  # killed after ~1 s, not after the harness's 60 s
     assert info["status"] == "failed" and "rc=-9" in info["error"], info
     assert "--vllm-timeout" in (tmp_path / "out" / "vllm_harness.log").read_text()
