@@ -9,8 +9,9 @@ Data-dependent errors (a slot out of range, one slot named twice, a bad ``query_
 or ``num_accepted_tokens``): the op writes nothing and its output is zero. Called eagerly,
 the op raises ``InvalidBatchError``; under ``jit`` it cannot raise without losing a donated
 cache, so it reports the error on stderr (natively on the CPU; elsewhere from a host
-callback taken only when one occurs) and returns the caches unchanged. The ``*_with_status`` variants return the status vector instead, for
-callers that check it themselves (the serving steps do).
+callback taken only when one occurs) and returns the caches unchanged. The
+``*_with_status`` variants return the status vector instead, for callers that check it
+themselves (the serving steps do).
 
 Shapes: T tokens, S rows (sequences), H key heads, HV value heads (HV % H == 0), K/V head
 dims, D = 2*H*K + HV*V conv channels, W conv width, N cache slots, L conv state length.

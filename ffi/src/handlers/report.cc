@@ -14,7 +14,7 @@
 namespace gdn {
 
 // Replaces {code}, {row}, {row_plus_1}, {value}, {aux} in the template of `code`.
-std::string format_status(std::string_view op, std::string_view templates, const Status& s) {
+static std::string format_status(std::string_view op, std::string_view templates, const Status& s) {
   std::string_view tpl;
   int line = 1;
   size_t pos = 0;

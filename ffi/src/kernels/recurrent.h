@@ -207,10 +207,11 @@ inline void rec_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, in
     rec_group_block<kRecBlockVF, true>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
     return;
   }
+  const Src* no_pf = nullptr;
   for (int64_t off = 0; off < w; off += kLanes) {
     const int64_t n = rec_min(kLanes, w - off);
-    if (n == kLanes) rec_group_block<1, true>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, static_cast<const Src*>(nullptr));
-    else rec_group_block<1, false>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, static_cast<const Src*>(nullptr));
+    if (n == kLanes) rec_group_block<1, true>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, no_pf);
+    else rec_group_block<1, false>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, no_pf);
   }
 }
 
