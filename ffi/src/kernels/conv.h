@@ -284,20 +284,31 @@ inline void conv_grid(const ConvArgs& p, const Parallel& par, int64_t n, int64_t
   });
 }
 
+// Calls fixed(W, SILU) with both as compile-time constants for W <= 4, else any(): the
+// specialisation switch of both launchers.
+template <class Fixed, class Any>
+inline void conv_by_width(const ConvArgs& p, Fixed&& fixed, Any&& any) {
+  using F = std::false_type;
+  using S = std::true_type;
+  switch (p.W * 2 + (p.silu ? 1 : 0)) {
+    case 2: fixed(std::integral_constant<int, 1>{}, F{}); break;
+    case 3: fixed(std::integral_constant<int, 1>{}, S{}); break;
+    case 4: fixed(std::integral_constant<int, 2>{}, F{}); break;
+    case 5: fixed(std::integral_constant<int, 2>{}, S{}); break;
+    case 6: fixed(std::integral_constant<int, 3>{}, F{}); break;
+    case 7: fixed(std::integral_constant<int, 3>{}, S{}); break;
+    case 8: fixed(std::integral_constant<int, 4>{}, F{}); break;
+    case 9: fixed(std::integral_constant<int, 4>{}, S{}); break;
+    default: any(); break;
+  }
+}
+
 template <class T>
 void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
   auto outputs = [&](auto block) { conv_grid(p, par, p.T, kConvTokBlock, block); };
-  switch (p.W * 2 + (p.silu ? 1 : 0)) {
-    case 2: outputs(conv_fwd_block<T, 1, false>); break;
-    case 3: outputs(conv_fwd_block<T, 1, true>); break;
-    case 4: outputs(conv_fwd_block<T, 2, false>); break;
-    case 5: outputs(conv_fwd_block<T, 2, true>); break;
-    case 6: outputs(conv_fwd_block<T, 3, false>); break;
-    case 7: outputs(conv_fwd_block<T, 3, true>); break;
-    case 8: outputs(conv_fwd_block<T, 4, false>); break;
-    case 9: outputs(conv_fwd_block<T, 4, true>); break;
-    default: outputs(conv_fwd_block_any<T>); break;
-  }
+  conv_by_width(
+      p, [&](auto w, auto silu) { outputs(conv_fwd_block<T, decltype(w)::value, decltype(silu)::value>); },
+      [&] { outputs(conv_fwd_block_any<T>); });
   // Second pass: every output that reads a slot's old rows is done before any slot is written.
   if (p.W <= 1) return;
   conv_grid(p, par, p.S, 1, [](const ConvArgs& q, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
@@ -402,17 +413,9 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
 template <class T>
 void conv_update_impl(const ConvArgs& p, const Parallel& par) {
   auto run = [&](auto block) { conv_grid(p, par, p.S, kConvRowGroup, block); };
-  switch (p.W * 2 + (p.silu ? 1 : 0)) {
-    case 2: run(conv_update_block<T, 1, false>); break;
-    case 3: run(conv_update_block<T, 1, true>); break;
-    case 4: run(conv_update_block<T, 2, false>); break;
-    case 5: run(conv_update_block<T, 2, true>); break;
-    case 6: run(conv_update_block<T, 3, false>); break;
-    case 7: run(conv_update_block<T, 3, true>); break;
-    case 8: run(conv_update_block<T, 4, false>); break;
-    case 9: run(conv_update_block<T, 4, true>); break;
-    default: run(conv_update_block_any<T>); break;
-  }
+  conv_by_width(
+      p, [&](auto w, auto silu) { run(conv_update_block<T, decltype(w)::value, decltype(silu)::value>); },
+      [&] { run(conv_update_block_any<T>); });
   // Tokens past query_start_loc[S] belong to no row: zero.
   const int64_t total = p.query_start_loc[p.S];
   T* y = static_cast<T*>(p.y);
