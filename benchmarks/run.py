@@ -341,7 +341,8 @@ def fma_peak_gflops(threads):
 
 
 # ISAs whose kernels have a bf16 dot-product instruction (vdpbf16ps, AMX tdpbf16ps, NEON bfdot).
-NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tiles", "neon_bf16": "NEON BFDOT"}
+NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tdpbf16ps", "amx_model": "AMX-BF16 (software model)",
+                   "neon_bf16": "NEON BFMMLA"}
 
 
 def bf16_dot_peak(isa, threads, f32_peak):
@@ -351,11 +352,12 @@ def bf16_dot_peak(isa, threads, f32_peak):
     from gdn_jax import _ffi
 
     probe = getattr(_ffi._gdn_ffi, "bf16_dot_peak_gflops", None)
-    if probe is not None:
-        return max(probe(threads, 0.3) for _ in range(3)), f"measured (bf16 dot probe, {isa})"
+    runs = [probe(threads, 0.3) for _ in range(3)] if probe is not None else [None]
+    if runs[0] is not None:
+        return max(runs), f"measured: bf16 dot probe of the {isa} kernels ({NATIVE_BF16_DOT[isa]}), {threads} threads"
     if isa in NATIVE_BF16_DOT:
-        return None, (f"not measured: {isa} has {NATIVE_BF16_DOT[isa]} but the native module has no bf16 "
-                      f"probe; prefill fractions use the f32 FMA peak")
+        return None, (f"not measured: {isa} has {NATIVE_BF16_DOT[isa]} but this build of the native module has "
+                      f"no bf16 probe; prefill fractions use the f32 FMA peak")
     return f32_peak, (f"= f32 FMA peak: {isa} has no bf16 dot-product instruction (no AVX512-BF16/AMX), "
                       f"bf16 operands are converted to f32 and use the same FMAs")
 
@@ -613,7 +615,7 @@ def main(argv=None):
                               wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout)
         print(f"# vLLM: {vllm['status']}" + (f" ({vllm.get('error')})" if vllm.get("error") else ""), flush=True)
 
-    threads = os.cpu_count() or 1
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     roof = dict(threads=threads, copy_bandwidth_runs=[], fma_peak_runs=[])
 
     def measure_roofline(when):

@@ -267,3 +267,22 @@ def test_run_harness_timeout_kills_a_stuck_harness(tmp_path):
     assert time.time() - t0 < 30  # killed after ~1 s, not after the harness's 60 s
     assert info["status"] == "failed" and "rc=-9" in info["error"], info
     assert "--vllm-timeout" in (tmp_path / "out" / "vllm_harness.log").read_text()
+
+
+def test_bf16_dot_peak_is_measured_exactly_where_the_isa_has_a_bf16_dot_instruction():
+    """The roofline's bf16 peak: the module's probe where the ISA has a bf16 dot instruction
+    (amx_model runs the AMX probe through the tile model on any x86 host), else the f32 peak
+    by definition, said so."""
+    gdn_jax = pytest.importorskip("gdn_jax")
+    if not gdn_jax.native_available():
+        pytest.skip("native extension not built")
+    sys.modules.setdefault("report", report)
+    run = _load("run")
+    for isa in gdn_jax.available_isas():
+        with gdn_jax.use_isa(isa):
+            peak, src = run.bf16_dot_peak(isa, 1, 123.0)
+        if isa in run.NATIVE_BF16_DOT:
+            assert src.startswith("measured") and isa in src, (isa, src)
+            assert peak > 0 and math.isfinite(peak), (isa, peak)
+        else:
+            assert (peak, src.startswith("= f32 FMA peak")) == (123.0, True), (isa, peak, src)

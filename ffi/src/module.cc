@@ -2,10 +2,12 @@
 // "gdn_jax_<name>") and the ISA controls.
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -27,6 +29,23 @@ XLA_FFI_Error* GdnReport(XLA_FFI_CallFrame*);
 }  // namespace gdn
 
 namespace {
+// GFLOP/s of `probe` (flops_per_iter per iteration) on `threads` threads at once, doubling
+// the iteration count until one run lasts `seconds`.
+double peak_gflops(float (*probe)(int64_t), int64_t flops_per_iter, int threads, double seconds) {
+  int64_t iters = 1 << 10;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    std::atomic<float> sink{0.f};
+    for (int i = 0; i < threads; ++i) pool.emplace_back([&] { sink = sink + probe(iters); });
+    for (auto& th : pool) th.join();
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt >= seconds || iters > (int64_t(1) << 40))
+      return double(flops_per_iter) * double(iters) * threads / dt / 1e9;
+    iters *= 2;
+  }
+}
+
 template <class Fn>
 nb::capsule capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
@@ -54,17 +73,18 @@ NB_MODULE(_gdn_ffi, m) {
         // Benchmark-only: f32 FMA peak of the selected ISA on `threads` threads.
         const auto& t = gdn::current_table();
         nb::gil_scoped_release release;
-        int64_t iters = 1 << 16;
-        for (;;) {
-          auto t0 = std::chrono::steady_clock::now();
-          std::vector<std::thread> pool;
-          std::atomic<float> sink{0.f};
-          for (int i = 0; i < threads; ++i) pool.emplace_back([&] { sink = sink + t.fma_probe(iters); });
-          for (auto& th : pool) th.join();
-          const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          if (dt >= seconds || iters > (int64_t(1) << 40)) return 256.0 * double(iters) * threads / dt / 1e9;
-          iters *= 2;
-        }
+        return peak_gflops(t.fma_probe, 256, threads, seconds);
+      },
+      nb::arg("threads") = 1, nb::arg("seconds") = 0.2);
+  m.def(
+      "bf16_dot_peak_gflops",
+      [](int threads, double seconds) -> std::optional<double> {
+        // Benchmark-only: bf16 dot-product peak of the selected ISA (vdpbf16ps, AMX tiles,
+        // BFMMLA); None where the ISA has no bf16 dot instruction.
+        const auto& t = gdn::current_table();
+        if (!t.bf16_dot_probe) return std::nullopt;
+        nb::gil_scoped_release release;
+        return peak_gflops(t.bf16_dot_probe, t.bf16_dot_probe_flops, threads, seconds);
       },
       nb::arg("threads") = 1, nb::arg("seconds") = 0.2);
   m.def(

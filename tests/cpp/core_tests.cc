@@ -341,6 +341,23 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
   }
 }
 
+// The benchmarks' peak probes count their work right: the f32 probe gives a finite sum, and
+// the bf16 dot probe (present exactly on the ISAs with a bf16 dot instruction) sums to
+// iters * macs * 2^-20 exactly (its operands are 1 and 2^-20, see probe.h).
+void test_probes(const std::string& isa, const KernelTable& kt) {
+  const float f = kt.fma_probe(64);
+  check_true("fma_probe " + isa + " finite", std::isfinite(f) && f > 0.f);
+  const bool want = isa == "avx512bf16" || isa == "amx" || isa == "amx_model" || isa == "neon_bf16";
+  check_true("bf16_dot_probe " + isa + (want ? " present" : " absent"), (kt.bf16_dot_probe != nullptr) == want);
+  if (!kt.bf16_dot_probe) return;
+  const int64_t iters = 256;
+  const double macs = double(kt.bf16_dot_probe_flops) / 2;
+  const double want_sum = double(iters) * macs * std::ldexp(1.0, -20);
+  const double got = kt.bf16_dot_probe(iters);
+  check_true("bf16_dot_probe " + isa + " = iters * macs * 2^-20", got == want_sum,
+             "got " + std::to_string(got) + ", want " + std::to_string(want_sum));
+}
+
 #if GDN_TEST_AMX
 // --- AMX tile model (x86 builds) ------------------------------------------------------------
 namespace am = gdn::amx_model_test;
@@ -763,6 +780,7 @@ int main() {
       continue;
     }
     const KernelTable& kt = current_table();
+    test_probes(isa, kt);
     std::mt19937 rng(1234);
     for (DType act : {DType::f32, DType::bf16}) {
       test_gating(kt, act, rng);

@@ -117,6 +117,9 @@ struct KernelTable {
   void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
   void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: 256 f32 flops per iteration
+  // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.
+  float (*bf16_dot_probe)(int64_t iters) = nullptr;
+  int64_t bf16_dot_probe_flops = 0;  // per iteration
 };
 
 }  // namespace gdn

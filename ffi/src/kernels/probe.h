@@ -1,7 +1,9 @@
-// Peak f32 FMA throughput probe for the benchmarks' roofline: 8 independent chains of 16-lane
-// FMAs (enough to cover FMA latency on every back end). 256 flops per iteration.
-// Included inside the ISA namespace.
+// Peak-throughput probes for the benchmarks' roofline. Included inside the ISA namespace.
+// Each returns the sum of its accumulators, so the work is not optimised away and a test can
+// check that the loop ran as counted (the operands are chosen so that every sum is exact).
 
+// f32: 8 independent chains of FMAs (enough to cover FMA latency on every back end).
+// 256 flops per iteration at 16 lanes.
 inline float fma_probe(int64_t iters) {
   VF acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = vset1(1e-3f * float(j + 1));
@@ -12,3 +14,85 @@ inline float fma_probe(int64_t iters) {
   for (int j = 1; j < 8; ++j) s = s + acc[j];
   return vsum(s);
 }
+
+// bf16 dot products, on the ISAs that have an instruction for them: bf16 pairs a = 1 and
+// b = 2^-20 into zeroed f32 accumulators, so after `iters` iterations the result is exactly
+// iters * kBf16ProbeMacs * 2^-20 (while that stays below 2^4: iters * macs <= 2^24).
+constexpr uint16_t kBf16ProbeOne = 0x3f80;   // 1.0
+constexpr uint16_t kBf16ProbeTiny = 0x3580;  // 2^-20
+
+#if defined(GDN_AMX)
+// AMX (real tiles, or the software model in amx_model): 4 accumulator tiles of 16 x 16 f32
+// against A tiles 4-5 and B tiles 6-7 held in the tile registers (no loads in the loop), the
+// GEMM's own blocking: 4 tdpbf16ps of 16 x 16 x 32 per iteration.
+#define GDN_BF16_DOT_PROBE 1
+constexpr int64_t kBf16ProbeMacs = 4 * 16 * 16 * 32;
+inline float bf16_dot_probe(int64_t iters) {
+  alignas(64) uint16_t a[16 * 32], b[16 * 32];
+  for (int i = 0; i < 16 * 32; ++i) {
+    a[i] = kBf16ProbeOne;
+    b[i] = kBf16ProbeTiny;
+  }
+  const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
+  tile_loadconfig(&cfg);
+  tile_zero<0>();
+  tile_zero<1>();
+  tile_zero<2>();
+  tile_zero<3>();
+  tile_load<4>(a, 64);
+  tile_load<5>(a, 64);
+  tile_load<6>(b, 64);
+  tile_load<7>(b, 64);
+  for (int64_t i = 0; i < iters; ++i) {
+    tile_dpbf16ps<0, 4, 6>();
+    tile_dpbf16ps<1, 4, 7>();
+    tile_dpbf16ps<2, 5, 6>();
+    tile_dpbf16ps<3, 5, 7>();
+  }
+  alignas(64) float c[4][16 * 16];
+  tile_store<0>(c[0], 64);
+  tile_store<1>(c[1], 64);
+  tile_store<2>(c[2], 64);
+  tile_store<3>(c[3], 64);
+  tile_release();
+  float s = 0.f;
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 16 * 16; ++i) s += c[t][i];
+  return s;
+}
+#elif defined(__AVX512BF16__)
+// AVX512-BF16: 12 independent chains of vdpbf16ps (2 per cycle at a latency of ~6 needs 12),
+// each 16 lanes x 2 products.
+#define GDN_BF16_DOT_PROBE 1
+constexpr int64_t kBf16ProbeMacs = 12 * 16 * 2;
+inline float bf16_dot_probe(int64_t iters) {
+  __m512 acc[12];
+  for (int j = 0; j < 12; ++j) acc[j] = _mm512_setzero_ps();
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(short(kBf16ProbeOne));
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(short(kBf16ProbeTiny));
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < 12; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+  __m512 s = acc[0];
+  for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, acc[j]);
+  return _mm512_reduce_add_ps(s);
+}
+#elif defined(GDN_ARM_BF16)
+// NEON BF16: 8 independent chains of BFMMLA, each a 2 x 4 by 4 x 2 product (16 MACs).
+#define GDN_BF16_DOT_PROBE 1
+constexpr int64_t kBf16ProbeMacs = 8 * 16;
+inline float bf16_dot_probe(int64_t iters) {
+  float32x4_t acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = vdupq_n_f32(0.f);
+  // Through a register: GCC would otherwise materialise the constants with an FP16 `fmov`,
+  // which needs FEAT_FP16 (not implied by +bf16).
+  uint16_t one = kBf16ProbeOne, tiny = kBf16ProbeTiny;
+  __asm__("" : "+r"(one), "+r"(tiny));
+  const bfloat16x8_t a = vreinterpretq_bf16_u16(vdupq_n_u16(one));
+  const bfloat16x8_t b = vreinterpretq_bf16_u16(vdupq_n_u16(tiny));
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < 8; ++j) acc[j] = vbfmmlaq_f32(acc[j], a, b);
+  float32x4_t s = acc[0];
+  for (int j = 1; j < 8; ++j) s = vaddq_f32(s, acc[j]);
+  return vaddvq_f32(s);
+}
+#endif
