@@ -193,6 +193,45 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, std::mt19937& r
   check("conv_update state " + tag, rel_rmse(read_act(st.data(), act, N * L * D), s2r), 0.0);
 }
 
+// SiLU at the edges of its range (each back end's vsilu has its own exp clamp and reciprocal),
+// through the conv with taps (0, 1) and no bias, so y[t] = silu(0 * x[t-1] + x[t]) (a NaN in
+// the window makes the float64 value NaN too). Per element: NaN exactly where float64 has
+// NaN, else |y - silu| <= 2e-6 |silu| + 1e-30 (the floor covers x < -88, where the true value
+// is below 1e-36 and a back end may flush it).
+void test_silu_edges(const KernelTable& kt) {
+  const std::vector<float> vals = {0.f, 1e-30f, -1e-30f, 1e-5f, -1e-5f, 0.5f, -0.5f, 1.f, -1.f, 3.f, -3.f, 10.f,
+                                   -10.f, 20.f, -20.f, 50.f, -50.f, 80.f, -80.f, -87.f, -87.5f, -88.f, -88.5f,
+                                   -89.f, -90.f, -100.f, -1e3f, -1e30f, 87.f, 88.f, 88.8f, 89.f, 100.f, 1e4f,
+                                   1e30f, std::nanf("")};
+  const int64_t D = 40, W = 2, T = int64_t(vals.size());  // D: two full vectors and a tail
+  std::vector<float> x(T * D), y(T * D, 1.f), st((W - 1) * D, 0.f), bias(D, 0.f), w(D * W);
+  for (int64_t i = 0; i < T * D; ++i) x[i] = vals[size_t(i * 7 % T)];
+  for (int64_t c = 0; c < D; ++c) w[c * W] = 0.f, w[c * W + 1] = 1.f;
+  const std::vector<int32_t> qsl = {0, int32_t(T)}, idx = {0};
+  const std::vector<uint8_t> has_init = {0};
+  ConvArgs p{};
+  p.act = DType::f32; p.x = x.data(); p.y = y.data(); p.weight = w.data(); p.bias = bias.data();
+  p.T = T; p.D = D; p.W = W; p.silu = true; p.conv_state = st.data(); p.N = 1; p.L = W - 1;
+  p.slot_stride = (W - 1) * D; p.time_stride = D; p.chan_stride = 1;
+  p.query_start_loc = qsl.data(); p.state_indices = idx.data();
+  p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = 1;
+  kt.conv_fwd(p, Parallel{});
+  int bad = 0;
+  std::string first;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < D; ++c) {
+      const double prev = t > 0 ? double(x[(t - 1) * D + c]) : 0.0, xv = x[t * D + c];
+      const double a = 0.0 * prev + xv;
+      const double want = a / (1.0 + std::exp(-a)), got = y[t * D + c];
+      const bool ok = std::isnan(want) ? std::isnan(got)
+                                       : !std::isnan(got) && std::fabs(got - want) <= 2e-6 * std::fabs(want) + 1e-30;
+      if (!ok && bad++ == 0)
+        first = "x " + std::to_string(xv) + " got " + std::to_string(got) + " want " + std::to_string(want);
+    }
+  check_true(std::string("silu edges (conv_fwd f32) ") + kt.isa, bad == 0,
+             bad ? std::to_string(bad) + " bad, first: " + first : "");
+}
+
 // --- gated delta rule ---------------------------------------------------------------------
 struct GdnCase {
   int64_t H = 2, HV = 4, K = 32, V = 48, N = 7;
@@ -781,6 +820,7 @@ int main() {
     }
     const KernelTable& kt = current_table();
     test_probes(isa, kt);
+    test_silu_edges(kt);
     std::mt19937 rng(1234);
     for (DType act : {DType::f32, DType::bf16}) {
       test_gating(kt, act, rng);
