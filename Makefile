@@ -15,7 +15,7 @@ venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "jax>=0.5.3,<0.11" "jaxlib>=0.5.3,<0.11" "numpy>=1.26" \
+	$(PY) -m pip install -q "jax>=0.5.3,<0.12" "jaxlib>=0.5.3,<0.12" "numpy>=1.26" \
 	    "nanobind>=2.4" "scikit-build-core>=0.10" "pytest>=8" ninja cmake
 	@touch $@
 
