@@ -13,6 +13,7 @@
 
 #include "gdn/dispatch.h"
 #include "gdn/types.h"
+#include "memory_hints.h"
 
 #if defined(__x86_64__)
 #include <signal.h>
@@ -378,6 +379,49 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     check("chunk final state    " + tag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
           sdt == DType::bf16 ? 4e-3 : (act == DType::f32 ? 1e-5 : 2e-3));
   }
+}
+
+// The huge-page hint of large outputs: the range is the whole 2 MiB pages inside the buffer
+// (none below two of them), and on Linux the hint is accepted for an anonymous mapping.
+void test_huge_page_hint() {
+  const uintptr_t M = kHugePage;
+  struct Case { uintptr_t p; size_t bytes; uintptr_t a, e; };
+  const Case cases[] = {
+      {4 * M, 4 * M, 4 * M, 8 * M},                // aligned: all of it
+      {4 * M + 64, 4 * M, 5 * M, 8 * M},           // start rounded up, end rounded down
+      {4 * M + 64, 2 * M + 100, 5 * M, 6 * M},     // two pages long, one whole page inside
+      {4 * M, 2 * M - 1, 4 * M, 4 * M},            // under two pages: empty
+      {4 * M + 64, 2 * M - 1, 4 * M + 64, 4 * M + 64},
+      {4 * M - 1, 3 * M + 2, 4 * M, 7 * M},
+  };
+  bool ok = true;
+  std::string detail;
+  for (const Case& c : cases) {
+    uintptr_t a, e;
+    huge_page_range(reinterpret_cast<const void*>(c.p), c.bytes, &a, &e);
+    if (a != c.a || e != c.e) {
+      ok = false;
+      detail += " [" + std::to_string(c.p) + "+" + std::to_string(c.bytes) + " -> " + std::to_string(a) + ", " +
+                std::to_string(e) + "]";
+    }
+  }
+  check_true("huge_page_range: whole 2 MiB pages inside the buffer", ok, detail);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = 16 * M;
+  void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m != MAP_FAILED) {
+    std::memset(m, 1, 4096);
+    const bool advised = advise_huge_pages(m, bytes);
+    const bool kept = static_cast<unsigned char*>(m)[4095] == 1 && static_cast<unsigned char*>(m)[0] == 1;
+    // madvise(MADV_HUGEPAGE) fails only where the kernel has no THP at all (EINVAL).
+    FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    const bool thp = f != nullptr;
+    if (f) std::fclose(f);
+    check_true("advise_huge_pages on a 32 MiB mapping", (advised || !thp) && kept,
+               std::string(advised ? "accepted" : "refused") + (thp ? "" : " (no THP in this kernel)"));
+    munmap(m, bytes);
+  }
+#endif
 }
 
 // The benchmarks' peak probes count their work right: the f32 probe gives a finite sum, and
@@ -788,6 +832,7 @@ void test_split_gemm(const std::string& name, SplitGemmFn gemm, std::mt19937& rn
 
 int main() {
   std::printf("CPU features: %s\n", cpu_features().c_str());
+  test_huge_page_hint();
 #if GDN_TEST_AMX
   {
     std::mt19937 rng(99);

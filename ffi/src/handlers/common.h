@@ -6,6 +6,7 @@
 
 #include "gdn/dispatch.h"
 #include "gdn/types.h"
+#include "memory_hints.h"
 #include "parallel.h"
 #include "validate.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,6 +48,7 @@ inline void zero_fill(ffi::Result<ffi::AnyBuffer>& out) {
 inline bool accept_batch(const Status& s, ffi::Result<ffi::Buffer<ffi::S32>>& status, ffi::Result<ffi::AnyBuffer>& out) {
   write_status(status, s);
   if (!s.ok()) zero_fill(out);
+  else advise_huge_pages(out->untyped_data(), out->size_bytes());
   return s.ok();
 }
 
