@@ -98,3 +98,12 @@ def report(x, status, *, op, templates):
     call = jax.ffi.ffi_call(TARGET_PREFIX + "report", _sds(x), input_output_aliases={0: 0},
                             vmap_method="sequential")
     return call(x, status, op=op, templates=templates)
+
+
+def batch_status(query_start_loc, state_indices, row_kind, num_accepted_tokens, *, num_tokens, num_slots,
+                 allowed_kinds):
+    """A serving step's metadata checked in one native call -> status int32[4] (batch.batch_status)."""
+    require_native()
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "batch_status", _STATUS, vmap_method="sequential")
+    return call(query_start_loc, state_indices, row_kind, num_accepted_tokens, num_tokens=np.int64(num_tokens),
+                num_slots=np.int64(num_slots), allowed_kinds=np.int32(allowed_kinds))

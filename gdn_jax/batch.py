@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks
+from . import _checks, _native, ops
 
 __all__ = [
     "PAD_SLOT_ID",
@@ -197,7 +197,8 @@ def _status(code, row, value, aux):
                       jnp.asarray(value, jnp.int32), jnp.asarray(aux, jnp.int32)])
 
 
-def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds: Sequence[int]):
+def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds: Sequence[int],
+                 impl: str = "auto"):
     """Device-side validation of a whole step; returns status ``int32[4]`` (0 = OK).
 
     Traceable (used inside the jitted steps, before any op runs). Checks, reporting the
@@ -207,7 +208,15 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
     most num_spec + 1 tokens, other rows accept 1; every slot the step reads or writes
     (column 0 of prefill/decode rows, columns ``< max(q, acc)`` of spec rows) is in
     [0, N); and no slot is named by two rows.
+
+    ``impl``: "auto" | "native" | "reference", as for the ops. The native form is one custom
+    call with the same answer (ffi/src/validate.cc, ``check_step_batch``); the jnp form below
+    runs everywhere.
     """
+    if ops.resolve_impl(impl) == "native":
+        return _native.batch_status(batch.query_start_loc, batch.state_indices, batch.row_kind,
+                                    batch.num_accepted_tokens, num_tokens=int(num_tokens), num_slots=int(num_slots),
+                                    allowed_kinds=_kinds_mask_bits(kinds))
     qsl, idx = batch.query_start_loc, batch.state_indices
     kind, acc = batch.row_kind, batch.num_accepted_tokens
     S, C = idx.shape

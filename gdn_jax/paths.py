@@ -158,7 +158,7 @@ def _run_ops(config: GDNConfig, impl: str, kind: str, x, b, a, params: GDNParams
 def _step(config: GDNConfig, impl: str, kind: str, mixed_qkv, b, a, params, cache, batch):
     """Traceable step: (out [T, HV, V], cache, status int32[4]). Runs nothing on a bad batch."""
     T = _check_inputs(config, mixed_qkv, b, a, params, cache, batch)
-    status = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=STEP_KINDS[kind])
+    status = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=STEP_KINDS[kind], impl=impl)
     # A refused batch runs as an all-padding batch: every op then reads and writes nothing and
     # outputs zeros. Data masking instead of a lax.cond keeps the program straight-line.
     out, new_cache, op_status = _run_ops(config, impl, kind, mixed_qkv, b, a, params, cache,
@@ -205,7 +205,7 @@ def _commit(config: GDNConfig, impl: str, cache, spec_state_indices, num_accepte
                          row_kind=jnp.where(live, ROW_SPEC, ROW_PAD).astype(jnp.int32),
                          has_initial_state=jnp.ones((S,), bool), num_accepted_tokens=acc,
                          num_tokens=jnp.zeros((), jnp.int32))
-    status = batch_status(meta, num_tokens=0, num_slots=N, kinds=(ROW_PAD, ROW_SPEC))
+    status = batch_status(meta, num_tokens=0, num_slots=N, kinds=(ROW_PAD, ROW_SPEC), impl=impl)
     move = live & (acc > 1) & (status[0] == 0)     # acc == 1: already in place
     a1 = jnp.clip(acc - 1, 0, C - 1)
 

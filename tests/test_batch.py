@@ -11,6 +11,7 @@ import pytest
 
 from gdn_jax.batch import (PAD_SLOT_ID, ROW_DECODE, ROW_PAD, ROW_PREFILL, ROW_SPEC, BatchBuilder, BatchMetadata,
                            Request, batch_status, build_batch, from_vllm_metadata, status_message)
+from gdn_jax import native_available
 from gdn_jax.config import GDNConfig
 
 N = 16
@@ -127,13 +128,22 @@ def test_spec_row_needs_num_spec():
 ALL = (ROW_PAD, ROW_PREFILL, ROW_DECODE, ROW_SPEC)
 
 
+IMPLS = ["reference"] + (["native"] if native_available() else [])
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    """The jnp batch_status and its native form (one custom call) must give the same answers."""
+    return request.param
+
+
 @functools.lru_cache(maxsize=None)
-def _status_fn(T, kinds):
-    return jax.jit(lambda m: batch_status(m, num_tokens=T, num_slots=N, kinds=kinds))
+def _status_fn(T, kinds, impl):
+    return jax.jit(lambda m: batch_status(m, num_tokens=T, num_slots=N, kinds=kinds, impl=impl))
 
 
-def _status(m, T=32, kinds=ALL):
-    return np.asarray(_status_fn(T, kinds)(m.to_device()))
+def _status(m, impl, T=32, kinds=ALL):
+    return np.asarray(_status_fn(T, kinds, impl)(m.to_device()))
 
 
 def _good():
@@ -149,9 +159,9 @@ def _edit(m, **changes):
     return m
 
 
-def test_status_ok():
-    assert _status(_good()).tolist() == [0, 0, 0, 0]
-    assert status_message("x", _status(_good())) is None
+def test_status_ok(impl):
+    assert _status(_good(), impl).tolist() == [0, 0, 0, 0]
+    assert status_message("x", _status(_good(), impl)) is None
 
 
 def _set(path_value):
@@ -181,39 +191,39 @@ DEVICE_BAD = [
 
 
 @pytest.mark.parametrize("edits,code,row,value,aux,frag", DEVICE_BAD, ids=[f"dev{i}" for i in range(len(DEVICE_BAD))])
-def test_device_status(edits, code, row, value, aux, frag):
+def test_device_status(edits, code, row, value, aux, frag, impl):
     m = _edit(_good(), **edits)
-    st = _status(m)
+    st = _status(m, impl)
     assert st.tolist() == [code, row, value, aux]
     msg = status_message("gdn_attention_core", st)
     assert msg.startswith("gdn_jax.gdn_attention_core: invalid batch, nothing was written: ")
     assert len(__import__("re").findall(frag, msg)) == 1, msg
 
 
-def test_device_status_kinds_per_path():
+def test_device_status_kinds_per_path(impl):
     m = _good()
-    st = _status(m, kinds=(ROW_PAD, ROW_PREFILL))
+    st = _status(m, impl, kinds=(ROW_PAD, ROW_PREFILL))
     assert st.tolist() == [16, 0, ROW_DECODE, 0b11]
     assert "row 0: row_kind 2 (decode) is not one this step takes (padding, prefill)" in status_message("prefill", st)
-    st = _status(m, kinds=(ROW_PAD, ROW_DECODE, ROW_SPEC))
+    st = _status(m, impl, kinds=(ROW_PAD, ROW_DECODE, ROW_SPEC))
     assert st.tolist()[:2] == [16, 2]
 
 
-def test_device_duplicate_inside_one_row_is_allowed():
+def test_device_duplicate_inside_one_row_is_allowed(impl):
     # A spec row may name one slot in two of its columns (the kernels allow it too).
     m = _edit(_good(), state_indices=_set(((1, 2), 5)))
-    assert _status(m).tolist() == [0, 0, 0, 0]
+    assert _status(m, impl).tolist() == [0, 0, 0, 0]
 
 
-def test_device_unused_spec_columns_are_not_checked():
+def test_device_unused_spec_columns_are_not_checked(impl):
     # Columns >= max(q, acc) are neither read nor written.
     m = _edit(_good(), state_indices=_set(((1, 3), 999)))
-    assert _status(m).tolist() == [0, 0, 0, 0]
+    assert _status(m, impl).tolist() == [0, 0, 0, 0]
     m = _edit(_good(), state_indices=_set(((1, 2), 999)))
-    assert _status(m).tolist() == [4, 1, 999, 2]
+    assert _status(m, impl).tolist() == [4, 1, 999, 2]
 
 
-def test_every_host_error_is_also_a_device_error():
+def test_every_host_error_is_also_a_device_error(impl):
     """Metadata written by hand (bypassing the builder) with the builder's mistakes is refused."""
     base = _good()
     cases = [
@@ -222,7 +232,31 @@ def test_every_host_error_is_also_a_device_error():
         _edit(base, query_start_loc=_set((slice(1, None), 33))),    # past the bucket
     ]
     for m in cases:
-        assert _status(m)[0] != 0
+        assert _status(m, impl)[0] != 0
+
+
+@pytest.mark.skipif("native" not in IMPLS, reason="native extension not built")
+def test_native_batch_status_agrees_with_jnp_on_random_corruptions():
+    """Random edits of valid batches (any field, including several at once, duplicate slots,
+    unknown kinds, wrong lengths): the native check and the jnp one report the same
+    (code, row, value, aux), and both refuse what the other refuses."""
+    rng = np.random.default_rng(7)
+    base = [_good(), _build([Request.spec((1, 2, 3, 4), 4, num_accepted=4), Request.spec((5, 6, 7, 8), 1)]).metadata,
+            _build([Request.prefill(2, 20), Request.decode(3), Request.decode(4)]).metadata]
+    fields = ("query_start_loc", "state_indices", "row_kind", "num_accepted_tokens")
+    codes = set()
+    for trial in range(400):
+        m = dataclasses.replace(base[trial % len(base)])
+        m = _edit(m)
+        for _ in range(int(rng.integers(1, 4))):
+            f = fields[int(rng.integers(len(fields)))]
+            arr = getattr(m, f)
+            pos = tuple(int(rng.integers(n)) for n in arr.shape)
+            arr[pos] = int(rng.choice([-2, -1, 0, 1, 2, 3, 4, 5, 9, 15, 16, 31, 33]))
+        got = {i: _status(m, i).tolist() for i in IMPLS}
+        assert got["native"] == got["reference"], (trial, m, got)
+        codes.add(got["native"][0])
+    assert len(codes) >= 8, codes  # the corruptions reach most checks
 
 
 # --- vLLM metadata ---------------------------------------------------------------------------
@@ -240,7 +274,7 @@ def test_from_vllm_non_spec():
     assert m.has_initial_state.tolist()[:4] == [True, True, False, True]
 
 
-def test_from_vllm_mixed_spec():
+def test_from_vllm_mixed_spec(impl):
     # vLLM batch of 3 rows: spec (q=4), non-spec prefill (q=3), spec (q=2); tokens interleaved.
     hb = from_vllm_metadata(num_slots=N, num_spec=3, token_bucket=16, row_bucket=4,
                             spec_sequence_masks=[True, False, True],
@@ -253,7 +287,7 @@ def test_from_vllm_mixed_spec():
     assert m.query_start_loc.tolist() == [0, 4, 7, 9, 9]   # vLLM's token order kept
     assert m.state_indices.tolist()[:3] == [[1, 2, 3, 4], [9, -1, -1, -1], [5, 6, 7, 8]]
     assert m.num_accepted_tokens.tolist()[:3] == [2, 1, 1]
-    assert _status(m, T=16).tolist() == [0, 0, 0, 0]
+    assert _status(m, impl, T=16).tolist() == [0, 0, 0, 0]
 
 
 def test_from_vllm_rejects_inconsistent_fields():
@@ -263,10 +297,10 @@ def test_from_vllm_rejects_inconsistent_fields():
                            num_accepted_tokens=[1, 1])
 
 
-def test_device_status_single_row_single_column():
+def test_device_status_single_row_single_column(impl):
     """One row bucket without spec columns: nothing can clash (a 1-element sort), and a bad
     slot is still found."""
     m = _build([Request.prefill(3, 7)], num_spec=0, T=8, S=1).metadata
-    assert _status(m, T=8).tolist() == [0, 0, 0, 0]
+    assert _status(m, impl, T=8).tolist() == [0, 0, 0, 0]
     bad = _edit(m, state_indices=_set(((0, 0), 99)))
-    assert _status(bad, T=8).tolist() == [4, 0, 99, 0]
+    assert _status(bad, impl, T=8).tolist() == [4, 0, 99, 0]

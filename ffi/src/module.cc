@@ -25,6 +25,7 @@ XLA_FFI_Error* GdnRecurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnChunk(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnCopySlots(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnReport(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnBatchStatus(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -62,6 +63,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["chunk"] = capsule(gdn::GdnChunk);
     d["copy_slots"] = capsule(gdn::GdnCopySlots);
     d["report"] = capsule(gdn::GdnReport);
+    d["batch_status"] = capsule(gdn::GdnBatchStatus);
     return d;
   });
   m.def("available_isas", &gdn::available_isas, "ISAs compiled in and supported by this CPU, best first.");

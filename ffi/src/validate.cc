@@ -68,4 +68,31 @@ Status check_spec_rows(const int32_t* qsl, const int32_t* idx, int64_t index_col
   return check_distinct(used);
 }
 
+Status check_step_batch(const int32_t* qsl, const int32_t* idx, int64_t C, const int32_t* row_kind,
+                        const int32_t* num_accepted, int64_t S, int64_t T, int64_t N, int32_t allowed_bits) {
+  const Status q_st = check_query_start_loc(qsl, S, T);
+  if (!q_st.ok()) return q_st;
+  std::vector<std::pair<int32_t, int32_t>> used;
+  used.reserve(size_t(S * C));
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t kind = row_kind[s], acc = num_accepted[s];
+    const int32_t* row = idx + s * C;
+    const int32_t q = qsl[s + 1] - qsl[s];
+    const bool known = kind >= kRowPad && kind <= kRowSpec;
+    if (!known || !((allowed_bits >> kind) & 1)) return fail(kRowKind, s, kind, allowed_bits);
+    const bool pad = kind == kRowPad, spec = kind == kRowSpec;
+    if (pad != (row[0] == -1)) return fail(kPadMismatch, s, kind, row[0]);
+    if (spec && (acc < 1 || acc > C)) return fail(kAcceptedRange, s, acc, C);
+    if (!pad && !spec && acc != 1) return fail(kAccNotSpec, s, acc, kind);
+    if (kind == kRowDecode && q != 1) return fail(kDecodeLen, s, q, 0);
+    if (spec && q > C) return fail(kRowTooLong, s, q, C);
+    if (pad) continue;
+    const int64_t cols = spec ? std::min<int64_t>(C, std::max<int64_t>(std::max<int64_t>(q, acc), 1)) : 1;
+    for (int64_t c = 0; c < cols; ++c)
+      if (row[c] < 0 || row[c] >= N) return fail(kSlotRange, s, row[c], c);
+    for (int64_t c = 0; c < cols; ++c) used.emplace_back(row[c], int32_t(s));
+  }
+  return check_distinct(used);
+}
+
 }  // namespace gdn
