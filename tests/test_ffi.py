@@ -157,7 +157,8 @@ def test_targets_registered_with_prefix():
     from gdn_jax import _ffi
 
     names = set(_ffi._gdn_ffi.registrations())
-    assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk", "copy_slots", "report"}
+    assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk", "copy_slots", "report",
+                     "batch_status"}
 
 
 def test_impl_resolution():
