@@ -56,12 +56,21 @@ def conv_update(x, weight, bias, conv_state, query_start_loc, state_indices, num
                 silu=np.int32(silu), layout=np.int32(layout))
 
 
+def _o_sds(v, ssm_state):
+    """o [T, HV, V]: v's shape, or from ssm_state when v is the mixed [T, D] qkv array (the
+    kernels then read q, k, v from its rows; see ffi/src/handlers/common.h)."""
+    if v.ndim == 3:
+        return _sds(v)
+    return jax.ShapeDtypeStruct((v.shape[0], ssm_state.shape[1], ssm_state.shape[3]), v.dtype)
+
+
 def recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, state_indices, num_accepted,
               *, scale, eps, l2norm):
+    """q, k [T, H, K], v [T, HV, V]; or q = k = v = the mixed [T, D] qkv array."""
     require_native()
     call = jax.ffi.ffi_call(
         TARGET_PREFIX + "recurrent",
-        (_sds(v), _sds(ssm_state), _STATUS),
+        (_o_sds(v, ssm_state), _sds(ssm_state), _STATUS),
         input_output_aliases={7: 1},
         vmap_method="sequential",
     )
@@ -71,10 +80,11 @@ def recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, state_i
 
 
 def chunk(q, k, v, g, beta, ssm_state, query_start_loc, state_indices, has_initial_state, *, scale, eps, l2norm):
+    """q, k [T, H, K], v [T, HV, V]; or q = k = v = the mixed [T, D] qkv array."""
     require_native()
     call = jax.ffi.ffi_call(
         TARGET_PREFIX + "chunk",
-        (_sds(v), _sds(ssm_state), _STATUS),
+        (_o_sds(v, ssm_state), _sds(ssm_state), _STATUS),
         input_output_aliases={5: 1},
         vmap_method="sequential",
     )

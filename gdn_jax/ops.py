@@ -256,10 +256,27 @@ def _scale(scale, K):
     return float(K) ** -0.5 if scale is None else float(scale)
 
 
+def _native_qkv(q, k, v, mixed_qkv):
+    """The q, k, v operands of a native call: the arrays, or three times the mixed [T, D] array
+    they were sliced from (the kernels then read its rows in place: no split copies)."""
+    if mixed_qkv is None:
+        return q, k, v
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    if mixed_qkv.shape != (T, 2 * H * K + HV * V) or mixed_qkv.dtype != q.dtype:
+        raise ValueError(f"_mixed_qkv must be [T, 2*H*K + HV*V] = [{T}, {2 * H * K + HV * V}] {q.dtype}, "
+                         f"got {mixed_qkv.shape} {mixed_qkv.dtype}")
+    return mixed_qkv, mixed_qkv, mixed_qkv
+
+
 def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_start_loc, state_indices,
                                        has_initial_state, scale=None, use_qk_l2norm=True, l2norm_eps=1e-6,
-                                       impl="auto"):
-    """:func:`chunk_gated_delta_rule` returning ``(o, ssm_state, status int32[4])``."""
+                                       impl="auto", _mixed_qkv=None):
+    """:func:`chunk_gated_delta_rule` returning ``(o, ssm_state, status int32[4])``.
+
+    ``_mixed_qkv`` (internal, the serving steps): the [T, 2HK + HV V] array whose column blocks
+    q, k, v are; the native kernel reads it in place instead of copies of the slices.
+    """
     T, H, K, HV, V = C.check_qkv(q, k, v)
     N = C.check_ssm_state(ssm_state, HV, K, V)
     C.check_shape("g", g, (T, HV), "[T, HV]")
@@ -273,8 +290,8 @@ def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_sta
     sc = _scale(scale, K)
     if resolve_impl(impl) == "native":
         _check_native_head_dims(K, V)
-        return _native.chunk(q, k, v, g, beta, ssm_state, query_start_loc, state_indices, has_initial_state,
-                             scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
+        return _native.chunk(*_native_qkv(q, k, v, _mixed_qkv), g, beta, ssm_state, query_start_loc, state_indices,
+                             has_initial_state, scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
     status = C.status_slots_jnp(query_start_loc, state_indices, T, N)
     ref = _reference()
 
@@ -367,8 +384,11 @@ def fused_sigmoid_gating_delta_rule_update(q, k, v, *, a, b, A_log, dt_bias, ssm
 def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_log, dt_bias, ssm_state,
                                                             query_start_loc, spec_state_indices,
                                                             num_accepted_tokens, scale=None, use_qk_l2norm=True,
-                                                            l2norm_eps=1e-6, impl="auto"):
-    """:func:`fused_sigmoid_gating_delta_rule_update_spec` returning ``(o, ssm_state, status)``."""
+                                                            l2norm_eps=1e-6, impl="auto", _mixed_qkv=None):
+    """:func:`fused_sigmoid_gating_delta_rule_update_spec` returning ``(o, ssm_state, status)``.
+
+    ``_mixed_qkv``: as in :func:`chunk_gated_delta_rule_with_status`.
+    """
     T, H, K, HV, V, N = _recurrent_common(q, k, v, a, b, A_log, dt_bias, ssm_state)
     S, cols = C.check_rank("spec_state_indices", spec_state_indices, 2, "[S, num_spec + 1]")
     C.check_index("spec_state_indices", spec_state_indices, (S, cols), "[S, num_spec + 1]")
@@ -377,8 +397,9 @@ def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_
     sc = _scale(scale, K)
     if resolve_impl(impl) == "native":
         _check_native_head_dims(K, V)
-        return _native.recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, spec_state_indices,
-                                 num_accepted_tokens, scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
+        return _native.recurrent(*_native_qkv(q, k, v, _mixed_qkv), a, b, A_log, dt_bias, ssm_state, query_start_loc,
+                                 spec_state_indices, num_accepted_tokens, scale=sc, eps=l2norm_eps,
+                                 l2norm=use_qk_l2norm)
     status = C.status_spec_jnp(query_start_loc, spec_state_indices, num_accepted_tokens, T, N, cols, cols,
                                slot_cols=True)
     ref = _reference()

@@ -138,7 +138,8 @@ def _run_ops(config: GDNConfig, impl: str, kind: str, x, b, a, params: GDNParams
         g, beta = ops.fused_gdn_gating(a, b, A_log=params.A_log, dt_bias=params.dt_bias, impl=impl)
         o_p, ssm, st = ops.chunk_gated_delta_rule_with_status(
             q, k, v, g=g, beta=beta, ssm_state=ssm, query_start_loc=qsl,
-            state_indices=jnp.where(pre, col0, pad), has_initial_state=batch.has_initial_state, **common_rule)
+            state_indices=jnp.where(pre, col0, pad), has_initial_state=batch.has_initial_state, _mixed_qkv=y,
+            **common_rule)
         statuses.append(st)
         out = o_p
     if has_recurrent:
@@ -149,7 +150,7 @@ def _run_ops(config: GDNConfig, impl: str, kind: str, x, b, a, params: GDNParams
         acc = jnp.where(rk == ROW_SPEC, batch.num_accepted_tokens, 1)
         o_r, ssm, st = ops.fused_sigmoid_gating_delta_rule_update_spec_with_status(
             q, k, v, a=a, b=b, A_log=params.A_log, dt_bias=params.dt_bias, ssm_state=ssm, query_start_loc=qsl,
-            spec_state_indices=spec_idx, num_accepted_tokens=acc, **common_rule)
+            spec_state_indices=spec_idx, num_accepted_tokens=acc, _mixed_qkv=y, **common_rule)
         statuses.append(st)
         out = o_r if out is None else out + o_r
     return out, GDNCache(conv_state=conv, ssm_state=ssm), _first_error(*statuses)

@@ -272,6 +272,43 @@ void store_state(std::vector<uint8_t>& buf, DType st, const std::vector<double>&
 
 // Spec verify (with_spec) and chunked prefill on case c; tags name the dims when they are not
 // the default case's.
+// q, k, v token rows interleaved as one mixed [T, D = 2HK + HV V] buffer (the conv output the
+// serving steps hand to the kernels without splitting it).
+std::vector<uint8_t> mix_qkv(const Act& q, const Act& k, const Act& v, DType act, int64_t T, int64_t HK,
+                             int64_t HVV) {
+  const size_t es = act == DType::f32 ? 4 : 2, D = size_t(2 * HK + HVV);
+  std::vector<uint8_t> m(size_t(T) * D * es);
+  const auto* pq = static_cast<const uint8_t*>(q.ptr(act));
+  const auto* pk = static_cast<const uint8_t*>(k.ptr(act));
+  const auto* pv = static_cast<const uint8_t*>(v.ptr(act));
+  for (int64_t t = 0; t < T; ++t) {
+    uint8_t* row = m.data() + size_t(t) * D * es;
+    std::memcpy(row, pq + t * HK * es, HK * es);
+    std::memcpy(row + HK * es, pk + t * HK * es, HK * es);
+    std::memcpy(row + 2 * HK * es, pv + t * HVV * es, HVV * es);
+  }
+  return m;
+}
+
+// The same kernel call on the mixed buffer (row strides D) must give the same bits.
+template <class Args, class Fn>
+void check_mixed_qkv(const std::string& what, Args p, const Act& q, const Act& k, const Act& v, DType act,
+                     const std::vector<uint8_t>& pool0, const std::vector<uint8_t>& o_dense,
+                     const std::vector<uint8_t>& st_dense, Fn run) {
+  const int64_t HK = p.H * p.K, HVV = p.HV * p.V, es = act == DType::f32 ? 4 : 2;
+  const std::vector<uint8_t> m = mix_qkv(q, k, v, act, p.T, HK, HVV);
+  std::vector<uint8_t> o(o_dense.size(), 0xff), st = pool0;
+  p.q = m.data();
+  p.k = m.data() + HK * es;
+  p.v = m.data() + 2 * HK * es;
+  p.qk_ld = p.v_ld = 2 * HK + HVV;
+  p.o = o.data();
+  p.ssm_state = st.data();
+  run(p);
+  const size_t ob = size_t(p.T * HVV * es);
+  check_true(what, std::memcmp(o.data(), o_dense.data(), ob) == 0 && st == st_dense);
+}
+
 void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng,
                               const GdnCase& c = GdnCase{}, bool with_spec = true) {
   const int64_t H = c.H, HV = c.HV, K = c.K, V = c.V, N = c.N, G = HV / H;
@@ -305,6 +342,8 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     p.index_cols = cols; p.T = T; p.S = S; p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V;
     p.scale = float(scale); p.eps = float(eps); p.l2norm = true;
     kt.recurrent(p, Parallel{});
+    check_mixed_qkv("recurrent spec, mixed qkv rows = dense " + tag, p, q, k, v, act, pool, o, st,
+                    [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
     std::vector<double> orf(T * HV * V, 0.0), sref = S0r;
     std::vector<double> qh(K), kh(K);
     for (int64_t r = 0; r < S; ++r) {
@@ -358,7 +397,10 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     p.state_indices = idx.data(); p.has_initial_state = reinterpret_cast<const bool*>(hs.data());
     p.T = T; p.S = S; p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V; p.scale = float(scale);
     p.eps = float(eps); p.l2norm = true;
+    const std::vector<uint8_t> st0 = st;
     kt.chunk(p, Parallel{});
+    check_mixed_qkv("chunk, mixed qkv rows = dense " + tag, p, q, k, v, act, st0, o, st,
+                    [&](const ChunkArgs& m) { kt.chunk(m, Parallel{}); });
     std::vector<double> orf(T * HV * V, 0.0), qh(K), kh(K);
     for (int64_t s = 0; s < S; ++s) {
       if (idx[s] < 0 || lens[s] == 0) continue;

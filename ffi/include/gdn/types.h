@@ -78,8 +78,9 @@ struct ConvArgs {
 struct RecurrentArgs {
   DType act;                       // dtype of q, k, v, a, b, o
   DType state;                     // dtype of ssm_state
-  const void *q, *k;               // [T, H, K]
-  const void* v;                   // [T, HV, V]
+  const void *q, *k;               // [T, H, K], token rows qk_ld elements apart
+  const void* v;                   // [T, HV, V], token rows v_ld elements apart
+  int64_t qk_ld = 0, v_ld = 0;     // H*K and HV*V when dense; D inside a mixed [T, D] qkv row
   const void *a, *b;               // [T, HV]
   const float *A_log, *dt_bias;    // [HV]
   void* ssm_state;                 // [N, HV, K, V], k-major per head
@@ -96,8 +97,9 @@ struct RecurrentArgs {
 // Chunked (WY, chunk 64) varlen prefill.
 struct ChunkArgs {
   DType act, state;
-  const void *q, *k;               // [T, H, K]
-  const void* v;                   // [T, HV, V]
+  const void *q, *k;               // [T, H, K], token rows qk_ld elements apart
+  const void* v;                   // [T, HV, V], token rows v_ld elements apart
+  int64_t qk_ld = 0, v_ld = 0;     // as in RecurrentArgs
   const float *g, *beta;           // [T, HV] (g in log space, beta post-sigmoid)
   void* ssm_state;                 // [N, HV, K, V]
   void* o;                         // [T, HV, V]
@@ -108,6 +110,12 @@ struct ChunkArgs {
   float scale, eps;
   bool l2norm;
 };
+
+// Token-row strides of q / k and v (RecurrentArgs, ChunkArgs): dense when the ld is 0.
+template <class Args>
+inline int64_t qk_row_stride(const Args& p) { return p.qk_ld ? p.qk_ld : p.H * p.K; }
+template <class Args>
+inline int64_t v_row_stride(const Args& p) { return p.v_ld ? p.v_ld : p.HV * p.V; }
 
 struct KernelTable {
   const char* isa = nullptr;

@@ -37,9 +37,9 @@ static ffi::Error ChunkImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnChunk, ChunkImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()           // q [T, H, K]
-                                  .Arg<ffi::AnyBuffer>()           // k [T, H, K]
-                                  .Arg<ffi::AnyBuffer>()           // v [T, HV, V]
+                                  .Arg<ffi::AnyBuffer>()           // q [T, H, K], or mixed qkv [T, D]
+                                  .Arg<ffi::AnyBuffer>()           // k [T, H, K], or the same [T, D]
+                                  .Arg<ffi::AnyBuffer>()           // v [T, HV, V], or the same [T, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // g [T, HV]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // beta [T, HV]
                                   .Arg<ffi::AnyBuffer>()           // ssm_state [N, HV, K, V]

@@ -57,7 +57,9 @@ inline bool accept_batch(const Status& s, ffi::Result<ffi::Buffer<ffi::S32>>& st
 namespace gdn {
 
 // q, k [T, H, K], v [T, HV, V], ssm_state [N, HV, K, V]; fills the shape fields of either
-// RecurrentArgs or ChunkArgs.
+// RecurrentArgs or ChunkArgs. Or the mixed form: q, k, v all the one [T, D] buffer whose rows
+// are q ++ k ++ v (the conv output, passed without split copies); HV, K, V then come from
+// ssm_state and H from D = 2 H K + HV V.
 template <class Args>
 ffi::Error qkv_state_shapes(const char* op, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                             ffi::AnyBuffer& ssm_state, Args& p) {
@@ -66,17 +68,34 @@ ffi::Error qkv_state_shapes(const char* op, ffi::AnyBuffer& q, ffi::AnyBuffer& k
     return bad(op, "q, k, v must share one dtype, float32 or bfloat16");
   if (!to_dtype(ssm_state.element_type(), &p.state)) return bad(op, "ssm_state must be float32 or bfloat16");
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), sd = ssm_state.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || qd[1] != kd[1] ||
-      qd[2] != kd[2] || vd[0] != qd[0])
-    return bad(op, "q, k must be [T, H, K] and v [T, HV, V]; got q " + dims_str(qd) + ", k " + dims_str(kd) +
-                       ", v " + dims_str(vd));
-  p.T = qd[0]; p.H = qd[1]; p.K = qd[2]; p.HV = vd[1]; p.V = vd[2];
+  if (sd.size() != 4) return bad(op, "ssm_state must be [N, HV, K, V], got " + dims_str(sd));
+  if (qd.size() == 2) {  // mixed [T, D]
+    if (kd.size() != 2 || vd.size() != 2 || kd[0] != qd[0] || kd[1] != qd[1] || vd[0] != qd[0] || vd[1] != qd[1])
+      return bad(op, "the mixed form passes one [T, D] qkv array as q, k and v");
+    p.T = qd[0]; p.HV = sd[1]; p.K = sd[2]; p.V = sd[3];
+    const int64_t D = qd[1], rest = D - p.HV * p.V;
+    if (p.K <= 0 || rest <= 0 || rest % (2 * p.K) != 0)
+      return bad(op, "mixed qkv rows of D = " + std::to_string(D) + " do not hold 2 H K + HV V for ssm_state " +
+                         dims_str(sd));
+    p.H = rest / (2 * p.K);
+    const size_t es = p.act == DType::f32 ? 4 : 2;
+    p.q = q.untyped_data();  // (the three operands are one array; each read from its own pointer)
+    p.k = static_cast<const char*>(k.untyped_data()) + size_t(p.H * p.K) * es;
+    p.v = static_cast<const char*>(v.untyped_data()) + size_t(2 * p.H * p.K) * es;
+    p.qk_ld = p.v_ld = D;
+  } else {
+    if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || qd[1] != kd[1] ||
+        qd[2] != kd[2] || vd[0] != qd[0])
+      return bad(op, "q, k must be [T, H, K] and v [T, HV, V]; got q " + dims_str(qd) + ", k " + dims_str(kd) +
+                         ", v " + dims_str(vd));
+    p.T = qd[0]; p.H = qd[1]; p.K = qd[2]; p.HV = vd[1]; p.V = vd[2];
+    p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
+  }
   if (p.H <= 0 || p.HV % p.H != 0) return bad(op, "HV must be a multiple of H");
-  if (sd.size() != 4 || sd[1] != p.HV || sd[2] != p.K || sd[3] != p.V)
+  if (sd[1] != p.HV || sd[2] != p.K || sd[3] != p.V)
     return bad(op, "ssm_state must be [N, HV, K, V] = [N, " + std::to_string(p.HV) + ", " + std::to_string(p.K) +
                        ", " + std::to_string(p.V) + "], got " + dims_str(sd));
   p.N = sd[0];
-  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
   p.ssm_state = ssm_state.untyped_data();
   return ffi::Error::Success();
 }

@@ -52,9 +52,9 @@ static ffi::Error RecurrentImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnRecurrent, RecurrentImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()           // q [T, H, K]
-                                  .Arg<ffi::AnyBuffer>()           // k [T, H, K]
-                                  .Arg<ffi::AnyBuffer>()           // v [T, HV, V]
+                                  .Arg<ffi::AnyBuffer>()           // q [T, H, K], or mixed qkv [T, D]
+                                  .Arg<ffi::AnyBuffer>()           // k [T, H, K], or the same [T, D]
+                                  .Arg<ffi::AnyBuffer>()           // v [T, HV, V], or the same [T, D]
                                   .Arg<ffi::AnyBuffer>()           // a [T, HV]
                                   .Arg<ffi::AnyBuffer>()           // b [T, HV]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // A_log [HV]

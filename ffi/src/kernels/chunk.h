@@ -190,7 +190,7 @@ template <class TA>
 inline void chunk_prep(const ChunkArgs& p, const ChunkBufs& b, int64_t t0, int n, int n_next, int64_t kh,
                        int64_t h0, int64_t gsz) {
   constexpr int C = kChunk;
-  const int64_t H = p.H, HV = p.HV, K = p.K, V = p.V;
+  const int64_t HV = p.HV, K = p.K, V = p.V, qk_ld = qk_row_stride(p), v_ld = v_row_stride(p);
   const int Ki = int(K);
   const TA* q = static_cast<const TA*>(p.q);
   const TA* k = static_cast<const TA*>(p.k);
@@ -201,21 +201,21 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs& b, int64_t t0, int n
   for (int i = 0; i < n; ++i) {
     if (i < n_next) {
       const int64_t tn = t0 + n + i;
-      const char* pq = reinterpret_cast<const char*>(q + (tn * H + kh) * K);
-      const char* pk = reinterpret_cast<const char*>(k + (tn * H + kh) * K);
+      const char* pq = reinterpret_cast<const char*>(q + tn * qk_ld + kh * K);
+      const char* pk = reinterpret_cast<const char*>(k + tn * qk_ld + kh * K);
       for (int64_t c = 0; c < K * int64_t(sizeof(TA)); c += 64) {
         __builtin_prefetch(pq + c, 0, 2);
         __builtin_prefetch(pk + c, 0, 2);
       }
-      const char* pv = reinterpret_cast<const char*>(v + (tn * HV + h0) * V);
+      const char* pv = reinterpret_cast<const char*>(v + tn * v_ld + h0 * V);
       const char* po = reinterpret_cast<const char*>(o + (tn * HV + h0) * V);
       for (int64_t c = 0; c < gsz * V * int64_t(sizeof(TA)); c += 64) {
         __builtin_prefetch(pv + c, 0, 2);
         __builtin_prefetch(po + c, 1, 2);
       }
     }
-    const TA* qr = q + ((t0 + i) * H + kh) * K;
-    const TA* kr = k + ((t0 + i) * H + kh) * K;
+    const TA* qr = q + (t0 + i) * qk_ld + kh * K;
+    const TA* kr = k + (t0 + i) * qk_ld + kh * K;
     float rq = p.scale, rk = 1.f;
     if (p.l2norm) {
       VF sq = vzero(), sk = vzero();
@@ -332,7 +332,7 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
 
   // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R.
   for (int i = 0; i < n; ++i) {
-    const TA* vr = v + ((t0 + i) * HV + h) * V;
+    const TA* vr = v + (t0 + i) * v_row_stride(p) + h * V;
     const VF bi = vset1(beta[i]);
     const VF ei = vset1(b.eg[i]);
     for (int c = 0; c < Vi; c += kLanes) {

@@ -250,7 +250,7 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
   const int32_t* qsl = p.query_start_loc;
   const int32_t* idx = p.state_indices;
   const int64_t S = p.S, H = p.H, HV = p.HV, K = p.K, V = p.V, T = p.T, cols = p.index_cols;
-  const int64_t G = HV / H;
+  const int64_t G = HV / H, qk_ld = qk_row_stride(p), v_ld = v_row_stride(p);
   const int64_t head_elems = K * V;
 
   // Tokens no row covers: zero output.
@@ -299,12 +299,12 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
           const float gl = neg_decay * softplus(to_f32(ga[j * HV + h]) + dtb);
           g.alpha[u] = std::exp(gl);
           g.beta[u] = sigmoid(to_f32(gb[j * HV + h]));
-          g.v[u] = v + (j * HV + h) * V;
+          g.v[u] = v + j * v_ld + h * V;
           g.o[u] = o + (j * HV + h) * V;
           g.dst[u] = pool + (int64_t(row[t]) * HV + h) * head_elems;
           g.nt[u] = stream && row[t] != row[acc - 1];
-          rec_prep(q + (j * H + kh_idx) * K, K, p.scale, p.l2norm, p.eps, g.qh[u]);
-          rec_prep(k + (j * H + kh_idx) * K, K, 1.f, p.l2norm, p.eps, g.kh[u]);
+          rec_prep(q + j * qk_ld + kh_idx * K, K, p.scale, p.l2norm, p.eps, g.qh[u]);
+          rec_prep(k + j * qk_ld + kh_idx * K, K, 1.f, p.l2norm, p.eps, g.kh[u]);
         }
       };
       const bool one_group = nq <= kRecTokGroup;
