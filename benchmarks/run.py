@@ -340,9 +340,9 @@ def fma_peak_gflops(threads):
     return max(_ffi._gdn_ffi.fma_peak_gflops(threads, 0.3) for _ in range(3))
 
 
-# ISAs whose kernels have a bf16 dot-product instruction (vdpbf16ps, AMX tdpbf16ps, NEON bfdot).
-NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tdpbf16ps", "amx_model": "AMX-BF16 (software model)",
-                   "neon_bf16": "NEON BFMMLA"}
+# ISAs whose kernels have a bf16 dot-product instruction, and the one their probe times.
+NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tdpbf16ps",
+                   "amx_model": "AMX-BF16 (software model)", "neon_bf16": "NEON BFMMLA"}
 
 
 def bf16_dot_peak(isa, threads, f32_peak):
@@ -351,10 +351,11 @@ def bf16_dot_peak(isa, threads, f32_peak):
     the f32 FMAs, so the bf16 peak *is* the f32 FMA peak (said so, not invented)."""
     from gdn_jax import _ffi
 
-    probe = getattr(_ffi._gdn_ffi, "bf16_dot_peak_gflops", None)
-    runs = [probe(threads, 0.3) for _ in range(3)] if probe is not None else [None]
-    if runs[0] is not None:
-        return max(runs), f"measured: bf16 dot probe of the {isa} kernels ({NATIVE_BF16_DOT[isa]}), {threads} threads"
+    probe = getattr(_ffi._gdn_ffi, "bf16_dot_peak_gflops", None)  # None: a build without it
+    first = probe(threads, 0.3) if probe is not None else None       # None: no bf16 dot instruction
+    if first is not None:
+        peak = max([first] + [probe(threads, 0.3) for _ in range(2)])
+        return peak, f"measured: bf16 dot probe of the {isa} kernels ({NATIVE_BF16_DOT[isa]}), {threads} threads"
     if isa in NATIVE_BF16_DOT:
         return None, (f"not measured: {isa} has {NATIVE_BF16_DOT[isa]} but this build of the native module has "
                       f"no bf16 probe; prefill fractions use the f32 FMA peak")
