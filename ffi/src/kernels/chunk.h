@@ -153,6 +153,7 @@ struct ChunkBufs {
   float* Vn;       // [C][V] panels: V_new = T R, then scaled by e^(G_last - Gc)
   float* eg;       // [C] e^Gc
   float* dg;       // [C] e^(G_last - Gc)
+  float *gh, *gl;  // [C] the in-chunk cumsum Gc (double) as float hi + lo
   float* decay;    // [K] e^G_last repeated (row scale of the state update)
   int64_t total;
 
@@ -177,6 +178,8 @@ struct ChunkBufs {
     Vn = take(kChunk * V);
     eg = take(kChunk);
     dg = take(kChunk);
+    gh = take(kChunk);
+    gl = take(kChunk);
     decay = take(K);
     total = off;
   }
@@ -280,16 +283,32 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
   }
 
   // Decay and causal masks. Gamma_ij = exp(Gc_i - Gc_j) only for j <= i (a non-positive
-  // exponent for a decay g <= 0); masked lanes get exp(-1000) = 0.
+  // exponent for a decay g <= 0); masked lanes get exp(-1000) = 0. Left of the diagonal block
+  // every lane is kept and Gc_i - Gc_j is formed in f32 vectors from Gc split as hi + lo
+  // (hi = float(Gc), lo = float(Gc - hi)): (hi_i - hi_j) + (lo_i - lo_j) is within 1.5 ulp of
+  // Gc_i - Gc_j (hi_i - hi_j is exact when they are within 2x, else rounded by half an ulp of
+  // a result of about the same size; the sum adds another half). The diagonal block builds its
+  // lanes one by one, masking j > i.
+  float* gh = b.gh;
+  float* gl = b.gl;
+  for (int i = 0; i < n; ++i) {
+    gh[i] = float(Gc[i]);
+    gl[i] = float(Gc[i] - double(gh[i]));
+  }
+  for (int i = n; i < npad; ++i) gh[i] = gl[i] = 0.f;
   for (int i = 0; i < n; ++i) {
     const float* sq = b.SQ + i * C;
     const float* sk = b.SK + i * C;
     float* pr = b.P + i * C;
     float* ar = b.A + i * C;
     const int nb = i / kLanes + 1;
-    const VF bi = vset1(beta[i]);
+    const VF bi = vset1(beta[i]), hi = vset1(gh[i]), lo = vset1(gl[i]);
     for (int c = 0; c < npad; c += kLanes) {
-      if (c / kLanes < nb) {
+      if (c / kLanes < nb - 1) {
+        const VF gm = vexp((hi - vload(gh + c)) + (lo - vload(gl + c)));
+        vstore(pr + c, vload(sq + c) * gm);
+        vstore(ar + c, vload(sk + c) * gm * bi);
+      } else if (c / kLanes == nb - 1) {
         float d[kLanes];
         for (int l = 0; l < kLanes; ++l) d[l] = c + l <= i ? float(Gc[i] - Gc[c + l]) : -1000.f;
         const VF gm = vexp(vload(d));
@@ -304,20 +323,25 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
   }
 
   // T = (I + A)^-1 by forward substitution: T_i = e_i - sum_{j<i} A_ij T_j (row j of T is
-  // zero right of column j).
+  // zero right of column j, so column block c takes j >= 16c). One column block at a time with
+  // two register accumulators (even / odd j): a runtime-indexed accumulator array lived on the
+  // stack, and one chain of i dependent fmas per row was latency-bound.
   for (int i = 0; i < n; ++i) {
-    VF acc[C / kLanes];
     const int nb = i / kLanes + 1;
-    for (int c = 0; c < nb; ++c) acc[c] = vzero();
     const float* ar = b.A + i * C;
-    for (int j = 0; j < i; ++j) {
-      const VF a = vset1(-ar[j]);
-      const float* tj = b.Tm + j * C;
-      const int nbj = j / kLanes + 1;
-      for (int c = 0; c < nbj; ++c) acc[c] = vfma(a, vload(tj + c * kLanes), acc[c]);
-    }
     float* tr = b.Tm + i * C;
-    for (int c = 0; c < npad / kLanes; ++c) vstore(tr + c * kLanes, c < nb ? acc[c] : vzero());
+    for (int c = 0; c < nb; ++c) {
+      VF acc0 = vzero(), acc1 = vzero();
+      const float* tc = b.Tm + c * kLanes;
+      int j = c * kLanes;
+      for (; j + 1 < i; j += 2) {
+        acc0 = vfma(vset1(-ar[j]), vload(tc + j * C), acc0);
+        acc1 = vfma(vset1(-ar[j + 1]), vload(tc + (j + 1) * C), acc1);
+      }
+      if (j < i) acc0 = vfma(vset1(-ar[j]), vload(tc + j * C), acc0);
+      vstore(tr + c * kLanes, acc0 + acc1);
+    }
+    for (int c = nb; c < npad / kLanes; ++c) vstore(tr + c * kLanes, vzero());
     tr[i] = 1.f;
   }
 
