@@ -75,7 +75,7 @@ NB_MODULE(_gdn_ffi, m) {
         // Benchmark-only: f32 FMA peak of the selected ISA on `threads` threads.
         const auto& t = gdn::current_table();
         nb::gil_scoped_release release;
-        return peak_gflops(t.fma_probe, 256, threads, seconds);
+        return peak_gflops(t.fma_probe, t.fma_probe_flops, threads, seconds);
       },
       nb::arg("threads") = 1, nb::arg("seconds") = 0.2);
   m.def(

@@ -474,12 +474,18 @@ void test_huge_page_hint() {
 #endif
 }
 
-// The benchmarks' peak probes count their work right: the f32 probe gives a finite sum, and
-// the bf16 dot probe (present exactly on the ISAs with a bf16 dot instruction) sums to
-// iters * macs * 2^-20 exactly (its operands are 1 and 2^-20, see probe.h).
+// The benchmarks' peak probes count their work right: the f32 FMA probe sums to
+// iters * fmas * 2^-20 exactly (each FMA adds 2^-10 * 2^-10), and the bf16 dot probe (present
+// exactly on the ISAs with a bf16 dot instruction) to iters * macs * 2^-20 (its operands are 1
+// and 2^-20, see probe.h).
 void test_probes(const std::string& isa, const KernelTable& kt) {
-  const float f = kt.fma_probe(64);
-  check_true("fma_probe " + isa + " finite", std::isfinite(f) && f > 0.f);
+  {  // every accumulator gains exactly 2^-10 * 2^-10 per iteration
+    const int64_t iters = 256;
+    const double want_sum = double(iters) * double(kt.fma_probe_flops / 2) * std::ldexp(1.0, -20);
+    const double got = kt.fma_probe(iters);
+    check_true("fma_probe " + isa + " = iters * fmas * 2^-20", kt.fma_probe_flops > 0 && got == want_sum,
+               "got " + std::to_string(got) + ", want " + std::to_string(want_sum));
+  }
   const bool want = isa == "avx512bf16" || isa == "amx" || isa == "amx_model" || isa == "neon_bf16";
   check_true("bf16_dot_probe " + isa + (want ? " present" : " absent"), (kt.bf16_dot_probe != nullptr) == want);
   if (!kt.bf16_dot_probe) return;

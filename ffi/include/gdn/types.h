@@ -124,7 +124,8 @@ struct KernelTable {
   void (*conv_update)(const ConvArgs&, const Parallel&) = nullptr;
   void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
   void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
-  float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: 256 f32 flops per iteration
+  float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
+  int64_t fma_probe_flops = 0;                   // per iteration
   // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.
   float (*bf16_dot_probe)(int64_t iters) = nullptr;
   int64_t bf16_dot_probe_flops = 0;  // per iteration

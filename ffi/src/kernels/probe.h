@@ -2,16 +2,25 @@
 // Each returns the sum of its accumulators, so the work is not optimised away and a test can
 // check that the loop ran as counted (the operands are chosen so that every sum is exact).
 
-// f32: 8 independent chains of FMAs (enough to cover FMA latency on every back end).
-// 256 flops per iteration at 16 lanes.
+// f32 FMA peak: kFmaProbeChains independent chains, one FMA of a VF each per iteration
+// (kFmaProbeFlops flops), accumulators in registers: 12 machine registers of chains (covers
+// 4-cycle latency x 2 pipes) plus the two operands fit every back end's register file
+// (8 VF chains on AVX2 took 18 ymm, spilled two accumulators through the stack and measured
+// ~57 GFLOP/s per thread against the ~68 the chunk's GEMM reaches). The operands 2^-10 * 2^-10
+// are read through volatiles so that no compiler folds the product into an add; every
+// accumulator gains exactly 2^-20 per iteration, so the result is iters * chains * 16 * 2^-20
+// (exact while that total stays below 16).
+constexpr int kFmaProbeChains = 12 / kVfRegs;
+constexpr int64_t kFmaProbeFlops = int64_t(kFmaProbeChains) * kLanes * 2;
+inline volatile float g_fma_probe_operand = 0x1p-10f;
 inline float fma_probe(int64_t iters) {
-  VF acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = vset1(1e-3f * float(j + 1));
-  const VF m = vset1(0.9999999f), c = vset1(1e-7f);
+  VF acc[kFmaProbeChains];
+  for (int j = 0; j < kFmaProbeChains; ++j) acc[j] = vzero();
+  const VF x = vset1(g_fma_probe_operand), y = vset1(g_fma_probe_operand);
   for (int64_t i = 0; i < iters; ++i)
-    for (int j = 0; j < 8; ++j) acc[j] = vfma(acc[j], m, c);
+    for (int j = 0; j < kFmaProbeChains; ++j) acc[j] = vfma(x, y, acc[j]);
   VF s = acc[0];
-  for (int j = 1; j < 8; ++j) s = s + acc[j];
+  for (int j = 1; j < kFmaProbeChains; ++j) s = s + acc[j];
   return vsum(s);
 }
 

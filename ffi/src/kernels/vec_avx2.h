@@ -2,6 +2,7 @@
 // include guard.
 
 constexpr int kLanes = 16;
+constexpr int kVfRegs = 2;  // machine registers one VF takes: two ymm
 
 struct VF {
   __m256 lo, hi;

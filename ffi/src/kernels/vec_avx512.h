@@ -2,6 +2,7 @@
 // compiled for it). Included inside the ISA namespace; no include guard.
 
 constexpr int kLanes = 16;
+constexpr int kVfRegs = 1;  // machine registers one VF takes: one zmm
 
 struct VF {
   __m512 v;

@@ -3,6 +3,7 @@
 // Included inside the ISA namespace; no include guard.
 
 constexpr int kLanes = 16;
+constexpr int kVfRegs = 4;  // machine registers one VF takes: four q registers
 
 struct VF {
   float32x4_t v[4];
