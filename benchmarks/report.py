@@ -220,9 +220,12 @@ def markdown(res, md_dir):
           f"| software | jax {env.get('jax')}, python {env.get('python')} |",
           f"| timing | ≥ {env.get('target_s')} s of calls per case (≥ 5 calls), jitted, caches donated; "
           f"{'quick mode; ' if env.get('quick') else ''}other processes used up to "
-          f"{max(fc) if fc else '?'} cores during a measurement (shared machine; per row in results.json); the jnp "
-          f"baseline {'re-measures' if env.get('baseline_waits_for_quiet') else 'does not re-measure'} rows that "
-          f"others disturbed |"]
+          f"{max(fc) if fc else '?'} cores during a measurement (shared machine; per row in results.json); "
+          + ("layer steps: gdn_jax and the jnp baseline timed in turn, one call each (order swapped every pair), "
+             "so both see the same machine; " if any((r.get("jnp_baseline") or {}).get("paired")
+                                                     for r in res.get("layer", [])) else "")
+          + f"the jnp baseline {'re-measures' if env.get('baseline_waits_for_quiet') else 'does not re-measure'} "
+          f"rows that others disturbed |"]
     if vllm.get("status") == "ok":
         v = (f"vllm {vllm.get('vllm')}, torch {vllm.get('torch')}, library {', '.join(vllm.get('kernel_libs') or [])}, "
              f"malloc {vllm.get('malloc')}, harness in {'--quick' if vllm.get('quick') else 'full'} mode, "

@@ -109,6 +109,44 @@ def test_ratio_columns_come_from_the_measured_medians(quick_run):
             assert _close(r["speedup_vs_jnp_baseline"], r["jnp_baseline"]["median_ms"] / r["native"]["median_ms"])
 
 
+def test_layer_rows_time_ours_and_the_baseline_in_turn(quick_run):
+    rows = [r for r in quick_run["res"]["layer"] if "jnp_baseline" in r]
+    assert all(r["jnp_baseline"].get("paired") for r in rows)
+    if rows:
+        assert "timed in turn" in quick_run["md"]
+
+
+def test_paired_bench_alternates_and_keeps_each_sides_times():
+    sys.path.insert(0, BENCH)
+    try:
+        run = _load("run")
+    finally:
+        sys.path.remove(BENCH)
+    log, waits = [], []
+
+    def ours():
+        log.append("o")
+        time.sleep(0.001)
+
+    def base(i):
+        log.append("b")
+        time.sleep(0.02)
+
+    pb = run.PairedBench(ours, 8, float("inf"), None)
+    r = pb(base, warmup=1, min_iters=6, max_iters=6, target_s=0.0)
+    assert log[2:] == ["o", "b", "b", "o"] * 3  # after one warm-up pair; the order swaps every pair
+    assert r["iters"] == pb.ours["iters"] == 6 and r["paired"] and r["attempts"] == 1
+    assert r["median_ms"] >= 20.0 and r["p10_ms"] >= 20.0  # the baseline's own calls, not ours
+    assert 1.0 <= pb.ours["median_ms"] < r["median_ms"]
+    assert _close(pb.ours["tokens_per_s"], 8 / pb.ours["median_ms"] * 1e3)
+
+    # Disturbed (threshold below any load): measures again after waiting, at most `retries` times.
+    log.clear()
+    pb = run.PairedBench(ours, 8, -1.0, lambda: waits.append(1))
+    r = pb(base, warmup=0, min_iters=2, max_iters=2, target_s=0.0, retries=3)
+    assert r["attempts"] == 3 and len(waits) == 2 and log.count("o") == log.count("b") == 6
+
+
 def test_vllm_numbers_are_mapped_to_our_cases(quick_run):
     res = quick_run["res"]
     assert res["vllm"]["status"] == "ok" and res["vllm"]["avx512bf16_build"] is False
