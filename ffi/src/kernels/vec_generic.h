@@ -2,7 +2,7 @@
 // baseline target. Included inside the ISA namespace; no include guard.
 
 constexpr int kLanes = 16;
-constexpr int kVfRegs = 4;  // machine registers one VF takes: four 16-byte vectors of the baseline target (SSE2, NEON)
+constexpr int kVfRegs = 4;  // machine registers one VF takes: four 16-byte SSE2 / NEON vectors
 
 struct VF {
   float v[kLanes];
