@@ -295,7 +295,6 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t
     gh[i] = float(Gc[i]);
     gl[i] = float(Gc[i] - double(gh[i]));
   }
-  for (int i = n; i < npad; ++i) gh[i] = gl[i] = 0.f;
   for (int i = 0; i < n; ++i) {
     const float* sq = b.SQ + i * C;
     const float* sk = b.SK + i * C;
