@@ -29,7 +29,13 @@ def gating(a, b, A_log, dt_bias):
     call = jax.ffi.ffi_call(
         TARGET_PREFIX + "gating", (_sds(a, _f32), _sds(a, _f32)), vmap_method="expand_dims"
     )
-    return call(a, b, A_log.astype(_f32), dt_bias.astype(_f32))
+    return call(a, b, A_log, dt_bias)  # f32 or bf16 each: converted in the handler
+
+
+def _conv_params(weight, bias):
+    """weight [D, W] and bias [D] as given (f32 or bf16: the kernels read either, so a bf16
+    model costs no converted copy per call); no bias is a [0] array."""
+    return weight, (jnp.zeros((0,), weight.dtype) if bias is None else bias)
 
 
 def conv_fwd(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state, *, silu, layout):
@@ -40,7 +46,7 @@ def conv_fwd(x, weight, bias, conv_state, query_start_loc, state_indices, has_in
         input_output_aliases={3: 1},
         vmap_method="sequential",
     )
-    return call(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
+    return call(x, *_conv_params(weight, bias), conv_state, query_start_loc, state_indices, has_initial_state,
                 silu=np.int32(silu), layout=np.int32(layout))
 
 
@@ -52,7 +58,7 @@ def conv_update(x, weight, bias, conv_state, query_start_loc, state_indices, num
         input_output_aliases={3: 1},
         vmap_method="sequential",
     )
-    return call(x, weight, bias, conv_state, query_start_loc, state_indices, num_accepted,
+    return call(x, *_conv_params(weight, bias), conv_state, query_start_loc, state_indices, num_accepted,
                 silu=np.int32(silu), layout=np.int32(layout))
 
 
@@ -74,7 +80,7 @@ def recurrent(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, state_i
         input_output_aliases={7: 1},
         vmap_method="sequential",
     )
-    return call(q, k, v, a, b, A_log.astype(_f32), dt_bias.astype(_f32), ssm_state, query_start_loc,
+    return call(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc,
                 state_indices, num_accepted, scale=np.float32(scale), eps=np.float32(eps),
                 l2norm=np.int32(l2norm))
 

@@ -127,21 +127,19 @@ def _conv_common(x, weight, bias, conv_state, activation, conv_state_layout):
     if L < W - 1:
         raise ValueError(f"conv_state length L={L} must be at least W-1={W - 1}")
     C.check_same_dtype("conv_state", conv_state, "x", x)
-    w32 = weight.astype(jnp.float32)
-    b32 = jnp.zeros((D,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    return T, D, W, N, L, silu, layout, w32, b32
+    return T, D, W, N, L, silu, layout
 
 
 def causal_conv1d_fwd_with_status(x, *, weight, bias, conv_state, query_start_loc, state_indices,
                                   has_initial_state, activation="silu", conv_state_layout="SD", impl="auto"):
     """:func:`causal_conv1d_fwd` returning ``(y, conv_state, status int32[4])``."""
-    T, D, W, N, L, silu, layout, w32, b32 = _conv_common(x, weight, bias, conv_state, activation, conv_state_layout)
+    T, D, W, N, L, silu, layout = _conv_common(x, weight, bias, conv_state, activation, conv_state_layout)
     (S,) = C.check_rank("state_indices", state_indices, 1, "[S]")
     C.check_index("state_indices", state_indices, (S,), "[S]")
     C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
     C.check_bool("has_initial_state", has_initial_state, (S,), "[S]")
     if resolve_impl(impl) == "native":
-        return _native.conv_fwd(x, w32, b32, conv_state, query_start_loc, state_indices, has_initial_state,
+        return _native.conv_fwd(x, weight, bias, conv_state, query_start_loc, state_indices, has_initial_state,
                                 silu=silu, layout=layout)
     status = C.status_slots_jnp(query_start_loc, state_indices, T, N)
     ref = _reference()
@@ -185,7 +183,7 @@ def causal_conv1d_update_with_status(x, *, weight, bias, conv_state, state_indic
                                      num_accepted_tokens=None, query_start_loc=None, conv_state_layout="SD",
                                      impl="auto"):
     """:func:`causal_conv1d_update` returning ``(y, conv_state, status int32[4])``."""
-    T, D, W, N, L, silu, layout, w32, b32 = _conv_common(x, weight, bias, conv_state, activation, conv_state_layout)
+    T, D, W, N, L, silu, layout = _conv_common(x, weight, bias, conv_state, activation, conv_state_layout)
     (S,) = C.check_rank("state_indices", state_indices, 1, "[S]")
     C.check_index("state_indices", state_indices, (S,), "[S]")
     if query_start_loc is None:
@@ -201,7 +199,7 @@ def causal_conv1d_update_with_status(x, *, weight, bias, conv_state, state_indic
         C.check_index("num_accepted_tokens", num_accepted_tokens, (S,), "[S]")
         acc = num_accepted_tokens
     if resolve_impl(impl) == "native":
-        return _native.conv_update(x, w32, b32, conv_state, qsl, state_indices, acc, silu=silu, layout=layout)
+        return _native.conv_update(x, weight, bias, conv_state, qsl, state_indices, acc, silu=silu, layout=layout)
     max_rows = L - W + 2
     status = C.status_spec_jnp(qsl, state_indices[:, None], acc, T, N, max_rows, max_rows, slot_cols=False)
     ref = _reference()

@@ -392,6 +392,51 @@ def test_grid_exhaustive(case):
     _grid_case(*case)
 
 
+# --- parameter dtypes -------------------------------------------------------------------------
+
+# (weight dtype, bias dtype or None = no bias): the kernels read the parameters in their own
+# dtype, each independently.
+PARAM_DTYPES = [(F32, F32), (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, F32), (F32, jnp.bfloat16),
+                (jnp.bfloat16, None), (F32, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parameter_dtypes(dtype):
+    """bf16 or f32 weight and bias (a bf16 model passes its parameters unconverted) holding the
+    same bf16-representable values: outputs bit-identical to f32 parameters, and each
+    matches the float64 conv; no bias equals a zero bias bit for bit."""
+    rng = np.random.default_rng(13)
+    D, W = 300, 4
+    w, b = (bf16_round(a * 0.5) for a in (rng.normal(size=(D, W)), rng.normal(size=D)))
+    xp, csp, qsl, idx, hi, L = _prefill_case(rng, dtype, "SD", D, W)
+    xu, csu, qslu, idxu, acc, _ = _spec_case(rng, dtype, "SD", D, W)
+    for isa in ISAS:
+        want = {}
+        for wdt, bdt in PARAM_DTYPES:
+            bias = None if bdt is None else jnp.asarray(b, bdt)
+            tag = f"{isa} {jnp.dtype(dtype).name} weight {jnp.dtype(wdt).name} bias {bdt and jnp.dtype(bdt).name}"
+            with gdn_jax.use_isa(isa):
+                yp, csp_out = _jfwd(jnp.asarray(xp, dtype), jnp.asarray(csp, dtype), jnp.asarray(w, wdt), bias,
+                                    jnp.asarray(qsl), jnp.asarray(idx), jnp.asarray(hi), silu=True, layout="SD",
+                                    impl="native")
+                yu, csu_out = _jupd(jnp.asarray(xu, dtype), jnp.asarray(csu, dtype), jnp.asarray(w, wdt), bias,
+                                    jnp.asarray(idxu), jnp.asarray(qslu), jnp.asarray(acc), silu=True, layout="SD",
+                                    impl="native")
+            b_ref = None if bdt is None else b
+            _check_prefill(yp, csp_out, xp, w, b_ref, csp, qsl, idx, hi, True, "SD", dtype, W, "prefill " + tag)
+            _check_update(yu, csu_out, xu, w, b_ref, csu, qslu, idxu, acc, True, "SD", dtype, W, "update " + tag)
+            key = bdt is None
+            if key not in want:
+                want[key] = (_bits(yp), _bits(yu))
+            np.testing.assert_array_equal(_bits(yp), want[key][0], err_msg=f"prefill {tag}: bits differ")
+            np.testing.assert_array_equal(_bits(yu), want[key][1], err_msg=f"update {tag}: bits differ")
+        # No bias and a zero bias: the same bits.
+        with gdn_jax.use_isa(isa):
+            y0, _ = _jfwd(jnp.asarray(xp, dtype), jnp.asarray(csp, dtype), jnp.asarray(w, F32), jnp.zeros((D,), F32),
+                          jnp.asarray(qsl), jnp.asarray(idx), jnp.asarray(hi), silu=True, layout="SD", impl="native")
+        np.testing.assert_array_equal(_bits(y0), want[True][0], err_msg=f"{isa}: no bias != zero bias")
+
+
 # --- other widths through the raw FFI target (the ops allow W in 2..4) -----------------------
 
 

@@ -62,3 +62,24 @@ def test_vmap_broadcasts():
     ga, gb = gating_f64(np.asarray(a).reshape(15, 8), np.asarray(b).reshape(15, 8), np.zeros(8), np.zeros(8))
     assert rel_rmse(np.asarray(g).reshape(15, 8), ga) <= 1e-6
     assert rel_rmse(np.asarray(beta).reshape(15, 8), gb) <= 1e-6
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_head_params(isa):
+    """A_log and dt_bias in bf16 (as a bf16 model stores them) are read unconverted: the same
+    bits as f32 arrays of the same values, and the float64 gates of those values."""
+    rng = np.random.default_rng(5)
+    a, b, A_log, dt_bias = _inputs(rng, 9, 32, jnp.bfloat16)
+    A_log, dt_bias = bf16_round(A_log), bf16_round(dt_bias)
+    ga, gb = gating_f64(a, b, A_log, dt_bias)
+    args = (jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16))
+    outs = {}
+    with gdn_jax.use_isa(isa):
+        for pa, pd in [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)]:
+            fn = jax.jit(lambda a_, b_, A, d: gdn_jax.fused_gdn_gating(a_, b_, A_log=A, dt_bias=d, impl="native"))
+            outs[(pa, pd)] = fn(*args, jnp.asarray(A_log, pa), jnp.asarray(dt_bias, pd))
+    g32, b32 = outs[(jnp.float32, jnp.float32)]
+    assert rel_rmse(np.asarray(g32), ga) <= 1e-6 and rel_rmse(np.asarray(b32), gb) <= 1e-6
+    for key, (g, beta) in outs.items():
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g32), err_msg=f"g with params {key}")
+        np.testing.assert_array_equal(np.asarray(beta), np.asarray(b32), err_msg=f"beta with params {key}")

@@ -238,6 +238,33 @@ def test_decode_qwen_shape(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_bf16_head_params(isa):
+    """A_log and dt_bias in bf16 (as a bf16 model stores them) are read unconverted: decode and
+    spec give the same bits as f32 arrays of the same values, which follow float64."""
+    rng = np.random.default_rng(15)
+    B, H, HV, K, V, N = 4, 2, 4, 32, 48, 12
+    j, n = make_inputs(rng, B, H, HV, K, V, N, BF16, F32)
+    for name in ("A_log", "dt_bias"):
+        n[name] = bf16_round(n[name])
+        j[name] = jnp.asarray(n[name], F32)
+    idx = np.array([7, 0, -1, 3], np.int32)
+    qsl, sidx, acc = np.array([0, 2, 3, 4, 4]), np.array([[1, 2], [4, 5], [8, -1], [-1, -1]]), np.array([2, 1, 1, 1])
+    with gdn_jax.use_isa(isa):
+        o32, s32 = decode(dict(j, ssm_state=_copy(j["ssm_state"])), idx, jit=True)
+        p32 = spec(dict(j, ssm_state=_copy(j["ssm_state"])), qsl, sidx, acc, jit=True)
+        assert np.all(np.any(f64(p32[0])[:3] != 0, axis=(1, 2))), "spec batch refused"
+        for pa, pd in [(BF16, BF16), (F32, BF16), (BF16, F32)]:
+            jb = dict(j, A_log=j["A_log"].astype(pa), dt_bias=j["dt_bias"].astype(pd))
+            o, st = decode(dict(jb, ssm_state=_copy(j["ssm_state"])), idx, jit=True)
+            assert np.array_equal(f64(o), f64(o32)) and np.array_equal(f64(st), f64(s32)), f"decode {pa} {pd}"
+            for got, want in zip(spec(dict(jb, ssm_state=_copy(j["ssm_state"])), qsl, sidx, acc, jit=True), p32):
+                assert np.array_equal(f64(got), f64(want)), f"spec {pa} {pd}"
+    ro, rs = f64_decode(n, idx)
+    live = idx != -1
+    assert rel_rmse(f64(o32)[live], ro[live]) <= BUDGET[(BF16, F32)][0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("state", [F32, BF16], ids=["state_f32", "state_bf16"])
 def test_decode_split_invariance(isa, state):
     """Rows decoded together or one at a time give the same bits (the V split differs)."""

@@ -114,7 +114,10 @@ void test_gating(const KernelTable& kt, DType act, std::mt19937& rng) {
 }
 
 // --- conv ---------------------------------------------------------------------------------
-void test_conv(const KernelTable& kt, DType act, bool ds, int W, std::mt19937& rng) {
+// Weight and bias hold bf16-representable values, so either parameter dtype (wdt) gives the
+// same float64 reference; without a bias (has_bias false) the kernel gets a null pointer.
+// W = 5 takes the generic path (W <= 4 are specialised).
+void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool has_bias, std::mt19937& rng) {
   const int64_t D = 72, N = 5, num_spec = 2, L = W - 1 + num_spec;
   const std::vector<int32_t> lens = {5, 0, 2, 9};
   const int64_t S = int64_t(lens.size());
@@ -124,16 +127,16 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, std::mt19937& r
   std::vector<int32_t> idx = {3, 1, -1, 0};
   std::vector<uint8_t> has_init = {1, 0, 1, 0};
   Act x(T * D, rng), pool(N * L * D, rng);
-  std::vector<float> w(D * W), bias(D);
-  std::normal_distribution<float> nd(0.f, 0.5f);
-  for (auto& v : w) v = nd(rng);
-  for (auto& v : bias) v = nd(rng);
+  const Act wa(D * W, rng, 0.5), ba(D, rng, 0.5);
+  std::vector<double> w = wa.f64, bias = ba.f64;
+  if (!has_bias) std::fill(bias.begin(), bias.end(), 0.0);
   auto at = [&](int64_t n, int64_t t, int64_t c) { return n * L * D + (ds ? c * L + t : t * D + c); };
   std::vector<uint8_t> y(T * D * 4, 0);
   std::vector<uint8_t> st(pool.f32.size() * 4);
   std::memcpy(st.data(), pool.ptr(act), pool.f32.size() * (act == DType::f32 ? 4 : 2));
   ConvArgs p{};
-  p.act = act; p.x = x.ptr(act); p.y = y.data(); p.weight = w.data(); p.bias = bias.data();
+  p.act = act; p.x = x.ptr(act); p.y = y.data(); p.weight = wa.ptr(wdt); p.bias = has_bias ? ba.ptr(wdt) : nullptr;
+  p.weight_dtype = wdt; p.bias_dtype = wdt;
   p.T = T; p.D = D; p.W = W; p.silu = true; p.conv_state = st.data(); p.N = N; p.L = L;
   p.slot_stride = L * D; p.time_stride = ds ? 1 : D; p.chan_stride = ds ? L : 1;
   p.query_start_loc = qsl.data(); p.state_indices = idx.data();
@@ -159,7 +162,8 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, std::mt19937& r
       for (int64_t c = 0; c < D; ++c) sr[at(idx[s], r, c)] = ext[(lens[s] + r) * D + c];
   }
   const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " f32" : " bf16") + (ds ? " DS" : " SD") +
-                          " W=" + std::to_string(W);
+                          " W=" + std::to_string(W) + (wdt == DType::f32 ? " w f32" : " w bf16") +
+                          (has_bias ? " bias" : " no bias");
   const double budget = act == DType::f32 ? 1e-6 : 4e-3;
   check("conv_fwd y     " + tag, rel_rmse(read_act(y.data(), act, T * D), yr), budget);
   check("conv_fwd state " + tag, rel_rmse(read_act(st.data(), act, N * L * D), sr), 0.0);
@@ -926,7 +930,9 @@ int main() {
     for (DType act : {DType::f32, DType::bf16}) {
       test_gating(kt, act, rng);
       for (bool ds : {false, true})
-        for (int W : {4, 3}) test_conv(kt, act, ds, W, rng);
+        for (int W : {4, 3, 5})
+          for (DType wdt : {DType::f32, DType::bf16})
+            for (bool has_bias : {true, false}) test_conv(kt, act, ds, W, wdt, has_bias, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng);
       // The chunk at Qwen3-Next head dims (K = V = 128: GEMM depths of 128, 8 panels).
       GdnCase big;

@@ -58,8 +58,10 @@ struct ConvArgs {
   DType act;                       // dtype of x, y and conv_state
   const void* x;                   // [T, D] token-major
   void* y;                         // [T, D]
-  const float* weight;             // [D, W] (tap W-1 multiplies the current token)
-  const float* bias;               // [D] or nullptr
+  const void* weight;              // [D, W] (tap W-1 multiplies the current token)
+  const void* bias;                // [D] or nullptr (no bias)
+  DType weight_dtype = DType::f32; // model parameters, each f32 or bf16 (read as f32)
+  DType bias_dtype = DType::f32;
   int64_t T, D, W;
   bool silu;
   void* conv_state;                // pool, N slots of L time rows

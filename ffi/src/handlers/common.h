@@ -3,6 +3,7 @@
 #pragma once
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "gdn/dispatch.h"
 #include "gdn/types.h"
@@ -18,6 +19,21 @@ inline bool to_dtype(ffi::DataType t, DType* out) {
   if (t == ffi::DataType::F32) { *out = DType::f32; return true; }
   if (t == ffi::DataType::BF16) { *out = DType::bf16; return true; }
   return false;
+}
+
+// A per-head parameter vector (A_log, dt_bias: f32 or bf16, as the model stores it) as f32:
+// the buffer itself when f32, else converted into `tmp` (HV values, nothing per token), so
+// the jitted step needs no convert op for a bf16 model. Null for another dtype.
+inline const float* head_params_f32(ffi::AnyBuffer& a, std::vector<float>& tmp) {
+  if (a.element_type() == ffi::DataType::F32) return static_cast<const float*>(a.untyped_data());
+  if (a.element_type() != ffi::DataType::BF16) return nullptr;
+  const uint16_t* src = static_cast<const uint16_t*>(a.untyped_data());
+  tmp.resize(a.element_count());
+  for (size_t i = 0; i < tmp.size(); ++i) {
+    const uint32_t u = uint32_t(src[i]) << 16;
+    std::memcpy(&tmp[i], &u, sizeof u);
+  }
+  return tmp.data();
 }
 
 inline ffi::Error bad(const std::string& op, const std::string& what) {

@@ -6,9 +6,10 @@ namespace gdn {
 namespace {
 
 // Fills the shape part of ConvArgs shared by both ops; layout 0 = SD [N, L, D], 1 = DS [N, D, L].
-ffi::Error conv_common(const char* op, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>& weight,
-                       ffi::Buffer<ffi::F32>& bias, ffi::AnyBuffer& conv_state, int32_t layout,
-                       ConvArgs& p) {
+// weight and bias come in the model's dtype (f32 or bf16, each its own); a bias of 0
+// elements means none.
+ffi::Error conv_common(const char* op, ffi::AnyBuffer& x, ffi::AnyBuffer& weight, ffi::AnyBuffer& bias,
+                       ffi::AnyBuffer& conv_state, int32_t layout, ConvArgs& p) {
   if (!to_dtype(x.element_type(), &p.act) || conv_state.element_type() != x.element_type())
     return bad(op, "x and conv_state must share one dtype, float32 or bfloat16");
   const auto xd = x.dimensions(), wd = weight.dimensions(), sd = conv_state.dimensions();
@@ -17,7 +18,10 @@ ffi::Error conv_common(const char* op, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>&
   p.D = xd[1];
   if (wd.size() != 2 || wd[0] != p.D) return bad(op, "weight must be [D, W], got " + dims_str(wd));
   p.W = wd[1];
-  if (bias.element_count() != size_t(p.D)) return bad(op, "bias must be [D]");
+  if (!to_dtype(weight.element_type(), &p.weight_dtype)) return bad(op, "weight must be float32 or bfloat16");
+  if (!to_dtype(bias.element_type(), &p.bias_dtype)) return bad(op, "bias must be float32 or bfloat16");
+  if (bias.element_count() != size_t(p.D) && bias.element_count() != 0)
+    return bad(op, "bias must be [D], or [0] for no bias, got " + dims_str(bias.dimensions()));
   if (sd.size() != 3) return bad(op, "conv_state must be rank 3, got " + dims_str(sd));
   p.N = sd[0];
   if (layout == 0) {
@@ -31,16 +35,16 @@ ffi::Error conv_common(const char* op, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>&
   }
   if (p.W < 1 || p.L < p.W - 1) return bad(op, "conv_state length L must be >= W - 1");
   p.x = x.untyped_data();
-  p.weight = weight.typed_data();
-  p.bias = bias.typed_data();
+  p.weight = weight.untyped_data();
+  p.bias = bias.element_count() ? bias.untyped_data() : nullptr;
   p.conv_state = conv_state.untyped_data();
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-static ffi::Error ConvFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight,
-                              ffi::Buffer<ffi::F32> bias, ffi::AnyBuffer conv_state,
+static ffi::Error ConvFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                              ffi::AnyBuffer bias, ffi::AnyBuffer conv_state,
                               ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> state_indices,
                               ffi::Buffer<ffi::PRED> has_initial_state, ffi::Result<ffi::AnyBuffer> y,
                               ffi::Result<ffi::AnyBuffer> conv_state_out,
@@ -64,8 +68,8 @@ static ffi::Error ConvFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-static ffi::Error ConvUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight,
-                                 ffi::Buffer<ffi::F32> bias, ffi::AnyBuffer conv_state,
+static ffi::Error ConvUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                                 ffi::AnyBuffer bias, ffi::AnyBuffer conv_state,
                                  ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> state_indices,
                                  ffi::Buffer<ffi::S32> num_accepted, ffi::Result<ffi::AnyBuffer> y,
                                  ffi::Result<ffi::AnyBuffer> conv_state_out,
@@ -95,8 +99,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnConvFwd, ConvFwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()           // x [T, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // weight [D, W]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // bias [D]
+                                  .Arg<ffi::AnyBuffer>()           // weight [D, W], f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()           // bias [D], or [0]: none
                                   .Arg<ffi::AnyBuffer>()           // conv_state pool
                                   .Arg<ffi::Buffer<ffi::S32>>()    // query_start_loc [S+1]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // state_indices [S]
@@ -111,8 +115,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnConvUpdate, ConvUpdateImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()           // x [T, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // weight [D, W]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // bias [D]
+                                  .Arg<ffi::AnyBuffer>()           // weight [D, W], f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()           // bias [D], or [0]: none
                                   .Arg<ffi::AnyBuffer>()           // conv_state pool
                                   .Arg<ffi::Buffer<ffi::S32>>()    // query_start_loc [S+1]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // state_indices [S]

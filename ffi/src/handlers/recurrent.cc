@@ -6,8 +6,8 @@
 namespace gdn {
 
 static ffi::Error RecurrentImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> A_log,
-                                ffi::Buffer<ffi::F32> dt_bias, ffi::AnyBuffer ssm_state,
+                                ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer A_log,
+                                ffi::AnyBuffer dt_bias, ffi::AnyBuffer ssm_state,
                                 ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> state_indices,
                                 ffi::Buffer<ffi::S32> num_accepted, ffi::Result<ffi::AnyBuffer> o,
                                 ffi::Result<ffi::AnyBuffer> ssm_state_out,
@@ -32,8 +32,10 @@ static ffi::Error RecurrentImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
     return bad(op, "query_start_loc must be [S + 1] and num_accepted_tokens [S] for state_indices [S, cols >= 1]");
   p.a = a.untyped_data();
   p.b = b.untyped_data();
-  p.A_log = A_log.typed_data();
-  p.dt_bias = dt_bias.typed_data();
+  std::vector<float> A_log_tmp, dt_bias_tmp;
+  p.A_log = head_params_f32(A_log, A_log_tmp);
+  p.dt_bias = head_params_f32(dt_bias, dt_bias_tmp);
+  if (!p.A_log || !p.dt_bias) return bad(op, "A_log and dt_bias must be float32 or bfloat16");
   p.o = o->untyped_data();
   p.query_start_loc = qsl.typed_data();
   p.state_indices = state_indices.typed_data();
@@ -57,8 +59,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnRecurrent, RecurrentImpl,
                                   .Arg<ffi::AnyBuffer>()           // v [T, HV, V], or the same [T, D]
                                   .Arg<ffi::AnyBuffer>()           // a [T, HV]
                                   .Arg<ffi::AnyBuffer>()           // b [T, HV]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // A_log [HV]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // dt_bias [HV]
+                                  .Arg<ffi::AnyBuffer>()           // A_log [HV], f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()           // dt_bias [HV], f32 or bf16
                                   .Arg<ffi::AnyBuffer>()           // ssm_state [N, HV, K, V]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // query_start_loc [S+1]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // state_indices [S, cols]

@@ -42,23 +42,53 @@ inline void conv_store_row(T* p, int64_t chan_stride, VF v, int n) {
   for (int i = 0; i < n; ++i) store1(p + i * chan_stride, t[i]);
 }
 
+// Element i of a weight or bias array (f32 or bf16, the model's parameter dtype) as f32.
+inline float conv_param(const void* a, DType dt, int64_t i) {
+  return dt == DType::bf16 ? to_f32(static_cast<const bf16*>(a)[i]) : static_cast<const float*>(a)[i];
+}
+
 // Tap i of channels [c, c+n) from weight [D, W] (lanes >= n are zero). Generic path only.
-inline VF conv_tap(const float* weight, int64_t W, int64_t c, int n, int64_t i) {
+inline VF conv_tap(const ConvArgs& p, int64_t c, int n, int64_t i) {
   float t[kLanes];
   for (int k = 0; k < kLanes; ++k) t[k] = 0.f;
-  for (int k = 0; k < n; ++k) t[k] = weight[(c + k) * W + i];
+  for (int k = 0; k < n; ++k) t[k] = conv_param(p.weight, p.weight_dtype, (c + k) * p.W + i);
   return vload(t);
 }
 
-// Taps of channels [c0, c1) transposed to wt[i * kConvChanBlock + (c - c0)], zero-padded to
-// whole vectors, so that each 16-channel tap is one load. Built once per item.
+// Bias of channels [c, c+n), zero without one. Generic path only.
+inline VF conv_bias(const ConvArgs& p, int64_t c, int n) {
+  float t[kLanes];
+  for (int k = 0; k < kLanes; ++k) t[k] = 0.f;
+  if (p.bias)
+    for (int k = 0; k < n; ++k) t[k] = conv_param(p.bias, p.bias_dtype, c + k);
+  return vload(t);
+}
+
+template <int W, class P>
+inline void conv_taps_rows(const P* src, int64_t nc, float* wt) {
+  for (int i = 0; i < W; ++i)
+    for (int64_t c = 0; c < nc; ++c) wt[i * kConvChanBlock + c] = to_f32(src[c * W + i]);
+}
+
+// The parameters of channels [c0, c1) as f32 rows kConvChanBlock apart: taps 0 .. W-1
+// transposed (wt[i * kConvChanBlock + (c - c0)]), then the bias (zero without one), each
+// zero-padded to whole vectors so that a 16-channel tap is one load. Built once per item and
+// read in the parameters' own dtype, so a bf16 model needs no converted copy per call.
+constexpr int64_t conv_param_rows(int W) { return W + 1; }
 template <int W>
-inline void conv_taps_t(const float* weight, int64_t c0, int64_t c1, float* wt) {
+inline void conv_params_t(const ConvArgs& p, int64_t c0, int64_t c1, float* wt) {
   const int64_t nc = c1 - c0, padded = (nc + kLanes - 1) / kLanes * kLanes;
-  const float* src = weight + c0 * W;
-  for (int i = 0; i < W; ++i)
-    for (int64_t c = 0; c < nc; ++c) wt[i * kConvChanBlock + c] = src[c * W + i];
-  for (int i = 0; i < W; ++i)
+  if (p.weight_dtype == DType::bf16) conv_taps_rows<W>(static_cast<const bf16*>(p.weight) + c0 * W, nc, wt);
+  else conv_taps_rows<W>(static_cast<const float*>(p.weight) + c0 * W, nc, wt);
+  float* bt = wt + W * kConvChanBlock;
+  if (p.bias == nullptr) {
+    for (int64_t c = 0; c < nc; ++c) bt[c] = 0.f;
+  } else if (p.bias_dtype == DType::bf16) {
+    for (int64_t c = 0; c < nc; ++c) bt[c] = to_f32(static_cast<const bf16*>(p.bias)[c0 + c]);
+  } else {
+    for (int64_t c = 0; c < nc; ++c) bt[c] = static_cast<const float*>(p.bias)[c0 + c];
+  }
+  for (int i = 0; i <= W; ++i)
     for (int64_t c = nc; c < padded; ++c) wt[i * kConvChanBlock + c] = 0.f;
 }
 
@@ -137,8 +167,9 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
   const int64_t tz = t0 > total ? t0 : (t1 < total ? t1 : total);  // [tz, t1): no row covers them
   conv_zero_rows(y, D, tz, t1, c0, c1);
   if (t0 >= tz) return;
-  alignas(64) float wt[W * kConvChanBlock];
-  conv_taps_t<W>(p.weight, c0, c1, wt);
+  alignas(64) float wt[conv_param_rows(W) * kConvChanBlock];
+  conv_params_t<W>(p, c0, c1, wt);
+  const float* bt = wt + W * kConvChanBlock;
   // First sequence holding token t0: qsl[s] <= t0 < qsl[s+1].
   int64_t lo = 0, hi = p.S;  // invariant: qsl[lo] <= t0 < qsl[hi]
   while (hi - lo > 1) {
@@ -170,7 +201,7 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
           if constexpr (W >= 2) e1 = vload(xp - D);
           if constexpr (W >= 3) e2 = vload(xp - 2 * D);
           if constexpr (W >= 4) e3 = vload(xp - 3 * D);
-          conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(p.bias + c), e3, e2, e1, xp, yr + c, D, count, kLanes);
+          conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + c, D, count, kLanes);
         }
         if (c < c1) {
           const int n = int(c1 - c);
@@ -179,7 +210,7 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
           if constexpr (W >= 2) e1 = vload_n(xp - D, n);
           if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
           if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
-          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xp, yr + c, D, count, n);
+          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + c, D, count, n);
         }
       } else {  // the window reaches into the prior (state rows or zeros)
         for (int64_t c = c0; c < c1; c += kLanes) {
@@ -188,7 +219,7 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
           if constexpr (W >= 2) e1 = conv_fwd_xt(p, x, st, start, init, u - 1, c, n);
           if constexpr (W >= 3) e2 = conv_fwd_xt(p, x, st, start, init, u - 2, c, n);
           if constexpr (W >= 4) e3 = conv_fwd_xt(p, x, st, start, init, u - 3, c, n);
-          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xr + c, yr + c, D, count, n);
+          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xr + c, yr + c, D, count, n);
         }
       }
     }
@@ -217,11 +248,11 @@ void conv_fwd_block_any(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, i
     const T* st = state + slot * p.slot_stride;
     for (int64_t c = c0; c < c1; c += kLanes) {
       const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
-      const VF b = vload_n(p.bias + c, n);
+      const VF b = conv_bias(p, c, n);
       for (int64_t t = a; t < e; ++t) {
         VF acc = b;
         for (int64_t i = 0; i < W; ++i)
-          acc = vfma(conv_tap(p.weight, W, c, n, i),
+          acc = vfma(conv_tap(p, c, n, i),
                      conv_fwd_xt(p, x, st, qsl[s], p.has_initial_state[s], t - (W - 1) + i, c, n), acc);
         vstore_n(y + t * D + c, conv_act_rt(acc, p.silu), n);
       }
@@ -333,8 +364,9 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   const int64_t D = p.D, ts = p.time_stride, cs = p.chan_stride;
-  alignas(64) float wt[W * kConvChanBlock];
-  conv_taps_t<W>(p.weight, c0, c1, wt);
+  alignas(64) float wt[conv_param_rows(W) * kConvChanBlock];
+  conv_params_t<W>(p, c0, c1, wt);
+  const float* bt = wt + W * kConvChanBlock;
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
     if (q == 0) continue;
@@ -353,8 +385,8 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
       if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
       if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
       const T* xp = x + start * D + c;
-      if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(p.bias + c), e3, e2, e1, xp, y + start * D + c, D, q, n);
-      else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload_n(p.bias + c, n), e3, e2, e1, xp, y + start * D + c, D, q, n);
+      if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, q, n);
+      else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, q, n);
       // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
       if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
         for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
@@ -390,14 +422,14 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
     for (int64_t c = c0; c < c1; c += kLanes) {
       const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
       T* st = static_cast<T*>(p.conv_state) + slot * p.slot_stride + c * cs;
-      const VF b = vload_n(p.bias + c, n);
+      const VF b = conv_bias(p, c, n);
       for (int64_t t = 0; t < q; ++t) {
         VF a = b;
         for (int64_t i = 0; i < W; ++i) {
           const int64_t k = t + i;  // x~ row: window rows first, then x_row
           const VF v = k < W - 1 ? conv_load_row(st + (acc - 1 + k) * ts, cs, n)
                                  : vload_n(x + (start + k - (W - 1)) * D + c, n);
-          a = vfma(conv_tap(p.weight, W, c, n, i), v, a);
+          a = vfma(conv_tap(p, c, n, i), v, a);
         }
         vstore_n(y + (start + t) * D + c, conv_act_rt(a, p.silu), n);
       }
