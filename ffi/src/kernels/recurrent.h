@@ -60,23 +60,14 @@ struct RecGroup {
 };
 
 // kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
-// pf (may be null): the next column block to be read from memory (same row stride); its row
-// k is prefetched beside row k of this one. The rows of a block are V elements apart, short
-// pieces that the hardware prefetchers follow poorly; this pass is the one that waits on
-// memory (the fused pass then reads the block from L1).
+// This pass reads the block from memory (the fused pass then reads it from L1); a bf16 block
+// was prefetched by the previous block's fused pass (rec_pass).
 template <int NV, bool kFull, class Src>
-GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv, const Src* pf) {
-  constexpr int kLineElems = 64 / int(sizeof(Src));
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv) {
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    if (sizeof(Src) == 2 && pf != nullptr) {  // f32 state: measured no gain (already ~copy bandwidth)
-      for (int e = 0; e < NV * kLanes; e += kLineElems) {
-        __builtin_prefetch(pf + k * ld + e, 0, 3);
-        __builtin_prefetch(pf + (k + 1) * ld + e, 0, 3);
-      }
-    }
     const VF k0 = vset1(kh[k]), k1 = vset1(kh[k + 1]);
     const Src* r0 = s + k * ld;
     const Src* r1 = r0 + ld;
@@ -111,15 +102,30 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 //   S' = alpha S + k̂ deltaᵀ, stored to dst (state dtype; kNT: non-temporal) and, if kLoc,
 //   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
 //   Even and odd k accumulate separately.
+// pf (may be null; used for a bf16 source): the next column block to be read from memory,
+// same row stride; its row k is prefetched beside row k of this one. A bf16 block row is one
+// 64-byte line, rows V elements apart: short pieces the hardware prefetchers follow poorly.
+// Spread over this pass (the longest: it converts, rounds and stores), the prefetches keep a
+// few lines in flight all the time; issued as a burst in rec_kv they stalled on full miss
+// buffers (2026-11-30, dev host: bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32
+// 4.6 -> 3.5-3.9 ms). An f32 block row is two lines, which the hardware prefetches well
+// (measured: no gain), so f32 sources pass null.
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
-                          VF* kvn) {
+                          VF* kvn, const Src* pf) {
+  constexpr int kLineElems = 64 / int(sizeof(Src));
   VF o0[NV], o1[NV], n0[NV], n1[NV];
   for (int c = 0; c < NV; ++c) o0[c] = o1[c] = n0[c] = n1[c] = vzero();
   const VF va = vset1(alpha);
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
+    if (sizeof(Src) == 2 && pf != nullptr) {  // see above
+      for (int e = 0; e < NV * kLanes; e += kLineElems) {
+        __builtin_prefetch(pf + k * s_ld + e, 0, 3);
+        __builtin_prefetch(pf + (k + 1) * s_ld + e, 0, 3);
+      }
+    }
     rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
                                          kNext ? khn[k] : 0.f, ncol, o0, n0);
     rec_row<NV, kFull, kNext, kLoc, kNT>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
@@ -138,9 +144,9 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
 template <int NV, bool kFull, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
-                         const float* khn, int ncol, VF* o, VF* kvn) {
+                         const float* khn, int ncol, VF* o, VF* kvn, const Src* pf) {
 #define GDN_REC_PASS(kNext, kLoc, kNT) \
-  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn)
+  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf)
   if (kFull && nt) {
     if (next) {
       if (use_loc) GDN_REC_PASS(true, true, kFull);
@@ -172,7 +178,7 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
                             int64_t col, int ncol, bool keep, float* loc, const Src* pf) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv, pf);
+  rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
@@ -184,13 +190,13 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     ST* dst = g.dst[t] + col;
     if (t == 0) {
       rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
-                              ncol, o, kv);
+                              ncol, o, kv, pf);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
       const int64_t cont_ld = prev_loc ? kRecBlock : V;
       rec_pass_any<NV, kFull>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                              khn, ncol, o, kv);
+                              khn, ncol, o, kv, static_cast<const float*>(nullptr));
     }
     for (int c = 0; c < NV; ++c) rec_st<kFull>(g.o[t] + col + c * kLanes, o[c], ncol);
     prev_loc = use_loc;
@@ -199,7 +205,7 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
 
 // One column block (w <= kRecBlock columns from col): a full block in one pass per token,
 // a narrower tail as 16-column pieces (same per-column arithmetic).
-// pf: see rec_kv (full blocks only).
+// pf: see rec_pass (full blocks only).
 template <class A, class ST, class Src>
 inline void rec_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V, int64_t col,
                       int64_t w, bool keep, float* loc, const Src* pf) {
