@@ -221,6 +221,9 @@ def markdown(res, md_dir):
           f"| timing | ≥ {env.get('target_s')} s of calls per case (≥ 5 calls), jitted, caches donated; "
           f"{'quick mode; ' if env.get('quick') else ''}other processes used up to "
           f"{max(fc) if fc else '?'} cores during a measurement (shared machine; per row in results.json); "
+          + (f"an op row that others disturbed (> {env.get('op_foreign_max')} cores) is measured again at once, "
+             f"up to {env.get('op_attempts')} attempts, and the quietest is kept (vLLM's harness does the same "
+             "after waiting for quiet); " if (env.get("op_attempts") or 1) > 1 else "")
           + ("layer steps: gdn_jax and the jnp baseline timed in turn, one call each (order swapped every pair), "
              "so both see the same machine; " if any((r.get("jnp_baseline") or {}).get("paired")
                                                      for r in res.get("layer", [])) else "")

@@ -293,6 +293,28 @@ def cases(quick):
     return out
 
 
+# An op row that other processes disturbed (> OP_FOREIGN_MAX cores meanwhile) is measured again at
+# once, up to OP_ATTEMPTS times, and the quietest attempt is kept: vLLM's harness does the same for
+# its rows (threshold 0.05 cores, after waiting for quiet), so both sides of a ratio get one policy.
+OP_ATTEMPTS = 3
+OP_FOREIGN_MAX = 0.1
+
+
+def quietest(measure, attempts):
+    """measure() up to `attempts` times while other processes used > OP_FOREIGN_MAX cores; the stats
+    of the quietest attempt, with "attempts" = how many ran."""
+    best = None
+    for attempt in range(1, attempts + 1):
+        st = measure()
+        fc = st.get("foreign_cores")
+        if best is None or (fc is not None and fc < (best.get("foreign_cores") or 0)):
+            best = st
+        if fc is None or fc <= OP_FOREIGN_MAX:
+            break
+    best["attempts"] = attempt
+    return best
+
+
 def run_ops(quick, impls, target):
     rows = []
     all_cases = cases(quick)
@@ -304,7 +326,8 @@ def run_ops(quick, impls, target):
                 continue
             rng = np.random.default_rng(0)
             fn, fargs, didx, tokens, work, rot = c["make"](rng, impl)
-            row[impl] = timeit(fn, fargs, donate_idx=didx, tokens=tokens, rotate=rot, target_s=target)
+            row[impl] = quietest(lambda: timeit(fn, fargs, donate_idx=didx, tokens=tokens, rotate=rot,
+                                                target_s=target), 1 if quick else OP_ATTEMPTS)
             row.update(tokens=tokens, work=work)
             del fn, fargs
         if "native" in row and "reference" in row:
@@ -667,6 +690,7 @@ def main(argv=None):
                command=shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]),
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                quick=args.quick, target_s=target, sections=sections, impls=impls,
+               op_attempts=1 if args.quick else OP_ATTEMPTS, op_foreign_max=OP_FOREIGN_MAX,
                baseline_waits_for_quiet=not (args.quick or args.no_wait))
     print(f"# gdn_jax benchmarks  isa={env['isa']}  cpus={env['logical_cpus']}  jax={env['jax']}  "
           f"{env['cpu_model']}", flush=True)

@@ -275,6 +275,30 @@ def test_load_json_merges_runs_later_rows_win(tmp_path):
     assert one["json"] == FAKE_VLLM and vc.env_summary(one["json"])["mode"] == "--quick mode"
 
 
+def test_quietest_retries_disturbed_measurements_and_keeps_the_quietest():
+    run = _load("run")
+    seq = []
+
+    def measure_from(values):
+        it = iter(values)
+
+        def measure():
+            fc = next(it)
+            seq.append(fc)
+            return dict(median_ms=fc * 10, foreign_cores=fc)
+        return measure
+
+    st = run.quietest(measure_from([0.5, 0.3, 0.4, 0.0]), 3)
+    assert st["foreign_cores"] == 0.3 and st["attempts"] == 3 and seq == [0.5, 0.3, 0.4]
+    seq.clear()
+    st = run.quietest(measure_from([0.5, run.OP_FOREIGN_MAX, 0.0]), 3)    # quiet enough: stop
+    assert st["foreign_cores"] == run.OP_FOREIGN_MAX and st["attempts"] == 2 and len(seq) == 2
+    st = run.quietest(measure_from([0.9, 0.0]), 1)                          # --quick: one attempt
+    assert st["foreign_cores"] == 0.9 and st["attempts"] == 1
+    st = run.quietest(lambda: dict(median_ms=1.0, foreign_cores=None), 3)   # no /proc: no retry
+    assert st["attempts"] == 1
+
+
 def _res(**over):
     res = dict(env=dict(isa="avx2", flags=dict(avx512_bf16=False)),
                roofline=dict(copy_bandwidth_gbs=20.0, fma_peak_gflops=100.0, bf16_dot_peak_gflops=100.0,
