@@ -85,7 +85,12 @@ def stats(times, snap0, tokens):
                 iters=len(times), tokens_per_s=tokens / med * 1e3, foreign_cores=foreign_cores(snap0, _cpu_snapshot()))
 
 
-def timeit(fn, args, *, donate_idx, tokens, rotate=None, min_iters=5, target_s=1.0, max_iters=200):
+# Calls per row at most. High enough that a 0.2 ms row still runs for its target time (it was 200:
+# decode B = 1 then ran for 50 ms of a 0.5 s target, at the mercy of a passing disturbance).
+MAX_ITERS = 5000
+
+
+def timeit(fn, args, *, donate_idx, tokens, rotate=None, min_iters=5, target_s=1.0, max_iters=MAX_ITERS):
     """Wall-time stats (ms) of fn(*args), threading the donated cache through the calls; rotate =
     (argument position, [values]) cycles that argument (disjoint slot sets: cold state)."""
     args = list(args)
@@ -438,7 +443,7 @@ def layer_step(call, target, tokens):
     times = []
     snap0 = _cpu_snapshot()
     t_end = time.perf_counter() + target
-    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
+    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < MAX_ITERS):
         t0 = time.perf_counter()
         call()
         times.append((time.perf_counter() - t0) * 1e3)
