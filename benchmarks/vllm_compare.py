@@ -31,6 +31,9 @@ def _gdn_jax_optional_pack(ops, w):
 '''
 
 
+QUIET_WAIT_RE = re.compile(r"^QUIET_WAIT_S = [0-9.eE+-]+", re.M)
+
+
 def patch_source(src: str) -> str | None:
     """The harness source with the weight pack made optional, or None if it cannot be patched."""
     n = src.count(PACK_CALL)
@@ -39,6 +42,14 @@ def patch_source(src: str) -> str | None:
     out = src.replace(PACK_CALL, "_gdn_jax_optional_pack(ops, w)")
     i = out.index("\ndef main(")
     return out[:i + 1] + PACK_HELPER.lstrip("\n") + out[i + 1:]
+
+
+def patch_retry_wait(src: str, seconds: float) -> str | None:
+    """The harness source with its wait for quiet between re-measurements (QUIET_WAIT_S, 120 s)
+    set to `seconds`, or None if it has no such constant. Its re-measure rule is unchanged."""
+    if len(QUIET_WAIT_RE.findall(src)) != 1:
+        return None
+    return QUIET_WAIT_RE.sub(f"QUIET_WAIT_S = {float(seconds)!r}", src)
 
 
 def _run(cmd, log_path, timeout_s):
@@ -74,14 +85,21 @@ def _run(cmd, log_path, timeout_s):
     return rc
 
 
-def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, timeout_s=7200):
-    """Run the harness; returns a dict: status ('ok' | 'failed'), cmd, patched, json (parsed), log."""
+def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, timeout_s=7200,
+                sections="decode,prefill,spec", retry_wait=None, out_name="vllm_results.json"):
+    """Run the harness; returns a dict: status ('ok' | 'failed'), cmd, patched, json (parsed), log.
+
+    sections: the harness sections to run (env is always added). retry_wait: seconds the harness
+    waits for quiet before re-measuring a disturbed row (None: its own 120 s); set, the harness runs
+    as a copy with that constant patched (on a shared host that is never quiet, 120 s per row makes
+    a full-mode run last hours). out_name: its JSON's name in out_dir."""
     import json
 
     os.makedirs(out_dir, exist_ok=True)
-    out_json = os.path.join(out_dir, "vllm_results.json")
+    out_json = os.path.join(out_dir, out_name)
     log_path = os.path.join(out_dir, "vllm_harness.log")
-    args = ["--malloc", "system", "--threads", str(threads), "--sections", "env,decode,prefill,spec",
+    secs = ",".join(["env"] + [x for x in sections.split(",") if x and x != "env"])
+    args = ["--malloc", "system", "--threads", str(threads), "--sections", secs,
             "--out", out_json, "--wait-quiet", str(wait_quiet)] + (["--quick"] if quick else [])
     info = dict(status="failed", python=python, harness=os.path.abspath(harness), patched=False, log=log_path)
     if not os.path.exists(harness):
@@ -92,6 +110,16 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
         return info
     t0 = time.time()
     script = harness
+    if retry_wait is not None:
+        with open(harness) as f:
+            patched = patch_retry_wait(f.read(), retry_wait)
+        if patched is None:
+            info["error"] = "the harness has no single QUIET_WAIT_S constant to set (--vllm-retry-wait)"
+            return info
+        script = os.path.join(out_dir, "bench_vllm_cpu_patched.py")
+        with open(script, "w") as f:
+            f.write(patched)
+        info["retry_wait_s"] = float(retry_wait)
     for attempt in range(2):
         if os.path.exists(out_json):
             os.remove(out_json)
@@ -107,7 +135,7 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
         with open(log_path) as f:
             text = f.read()
         if attempt == 0 and "causal_conv1d_weight_pack" in text:
-            with open(harness) as f:
+            with open(script) as f:
                 patched = patch_source(f.read())
             if patched is None:
                 info["error"] = "harness failed on causal_conv1d_weight_pack and could not be patched"
@@ -128,8 +156,9 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
     return info
 
 
-def load_json(paths):
-    """Harness results from one JSON file or several (merged by :func:`merge_results`)."""
+def load_json(paths, more=()):
+    """Harness results from one JSON file or several, then the (doc, name) pairs of `more` (a harness
+    run of this session), merged by :func:`merge_results`."""
     import json
 
     paths = [paths] if isinstance(paths, str) else list(paths)
@@ -137,7 +166,9 @@ def load_json(paths):
     for path in paths:
         with open(path) as f:
             docs.append(json.load(f))
-    return dict(status="ok", json=merge_results(docs, paths), patched=None,
+    names = list(paths) + [name for _, name in more]
+    docs += [doc for doc, _ in more]
+    return dict(status="ok", json=merge_results(docs, names), patched=None,
                 from_file=[os.path.abspath(p) for p in paths], log=None)
 
 

@@ -275,6 +275,84 @@ def test_load_json_merges_runs_later_rows_win(tmp_path):
     assert one["json"] == FAKE_VLLM and vc.env_summary(one["json"])["mode"] == "--quick mode"
 
 
+def test_run_harness_sections_and_retry_wait(tmp_path):
+    """--vllm-sections reach the harness (env always added); --vllm-retry-wait runs a copy whose
+    QUIET_WAIT_S is set, and nothing else of it changes; the JSON goes to out_name."""
+    h = tmp_path / "bench_vllm_cpu.py"
+    src = """import argparse, json
+QUIET_WAIT_S = 120.0
+def main():
+    ap = argparse.ArgumentParser()
+    for a in ("--malloc", "--threads", "--sections", "--out", "--wait-quiet"):
+        ap.add_argument(a)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    json.dump(dict(results=[], sections=args.sections, wait=QUIET_WAIT_S), open(args.out, "w"))
+if __name__ == "__main__":
+    main()
+"""
+    h.write_text(src)
+    out = tmp_path / "out"
+    info = vc.run_harness(sys.executable, str(h), str(out), quick=False, sections="decode", retry_wait=5,
+                          out_name="run.json")
+    assert info["status"] == "ok", info
+    assert info["json"] == dict(results=[], sections="env,decode", wait=5.0) and info["retry_wait_s"] == 5.0
+    assert (out / "run.json").exists()
+    patched = (out / "bench_vllm_cpu_patched.py").read_text()
+    assert patched == src.replace("QUIET_WAIT_S = 120.0", "QUIET_WAIT_S = 5.0")
+    info = vc.run_harness(sys.executable, str(h), str(out), quick=False)     # default: the harness itself
+    assert info["json"]["wait"] == 120.0 and info["json"]["sections"] == "env,decode,prefill,spec"
+    assert vc.patch_retry_wait("X = 1\n", 5) is None
+    nowait = tmp_path / "nowait.py"
+    nowait.write_text("print(1)\n")
+    info = vc.run_harness(sys.executable, str(nowait), str(out), quick=False, retry_wait=5)
+    assert info["status"] == "failed" and "QUIET_WAIT_S" in info["error"]
+
+
+def test_files_and_a_harness_run_are_merged(tmp_path):
+    """--vllm-json with --vllm-python: the harness runs too, into its own JSON, and its rows replace
+    the file's; a file at the run's output path is refused before anything runs."""
+    fake = tmp_path / "quick.json"
+    fake.write_text(json.dumps(FAKE_VLLM))
+    h = tmp_path / "bench_vllm_cpu.py"
+    h.write_text("""import argparse, json
+QUIET_WAIT_S = 120.0
+def main():
+    ap = argparse.ArgumentParser()
+    for a in ("--malloc", "--threads", "--sections", "--out", "--wait-quiet"):
+        ap.add_argument(a)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    row = dict(section="decode", case="decode_b8", op=%r, impl="vllm-kernel", state_dtype="fp32", median_ms=2.0)
+    json.dump(dict(meta=dict(quick=False), env={}, results=[row]), open(args.out, "w"))
+if __name__ == "__main__":
+    main()
+""" % KERNEL)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("GDN_VLLM_PYTHON", None)
+    base = [sys.executable, os.path.join(BENCH, "run.py"), "--quick", "--sections", "roofline",
+            "--out", str(out / "results.json"), "--results-md", str(out / "RESULTS.md"),
+            "--vllm-python", sys.executable, "--vllm-harness", str(h), "--vllm-sections", "decode",
+            "--vllm-retry-wait", "5"]
+    p = subprocess.run(base + ["--vllm-json", str(fake)], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["vllm"]["status"] == "ok" and res["vllm"]["retry_wait_s"] == 5.0
+    assert res["vllm"]["mode"].startswith("--quick mode (x: quick.json); full mode (decode: vllm_results_run.json)")
+    assert json.loads((out / "vllm_results_run.json").read_text())["results"][0]["median_ms"] == 2.0
+    assert json.loads(fake.read_text()) == FAKE_VLLM                       # the file is untouched
+    md = (out / "RESULTS.md").read_text()
+    assert "results read from files and a harness run" in md and "set to 5 s" in md
+    # The run's own output path given as a file: refused, the file kept.
+    clash = out / "vllm_results_run.json"
+    p = subprocess.run(base + ["--vllm-json", str(clash)], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode == 2 and "copy that file elsewhere first" in p.stderr, p.stderr[-2000:]
+    assert clash.exists()
+
+
 def test_quietest_retries_disturbed_measurements_and_keeps_the_quietest():
     run = _load("run")
     seq = []
