@@ -197,6 +197,12 @@ def _vllm_cell(hit):
     return _ms(hit)
 
 
+def _files(paths):
+    """'a file' or 'N files' (from_file: one path, as older results.json have it, or a list)."""
+    n = 1 if isinstance(paths, str) else len(paths)
+    return "a file" if n == 1 else f"{n} files"
+
+
 def markdown(res, md_dir):
     env, roof, vllm = res["env"], res.get("roofline", {}), res.get("vllm", {})
     L = ["# Benchmark results", "",
@@ -232,8 +238,10 @@ def markdown(res, md_dir):
     if vllm.get("status") == "ok":
         v = (f"vllm {vllm.get('vllm')}, torch {vllm.get('torch')}, library {', '.join(vllm.get('kernel_libs') or [])}, "
              f"malloc {vllm.get('malloc')}, harness in {vllm.get('mode') or ('--quick mode' if vllm.get('quick') else 'full mode')}, "
-             + ("results read from files and a harness run before our timings" if vllm.get("from_file") and vllm.get("cmd")
-                else "results read from a file" if vllm.get("from_file") else "run before our timings"))
+             + (f"results read from {_files(vllm['from_file'])} and a harness run before our timings"
+                if vllm.get("from_file") and vllm.get("cmd")
+                else f"results read from {_files(vllm['from_file'])}" if vllm.get("from_file")
+                else "run before our timings"))
         if vllm.get("retry_wait_s") is not None:
             v += (f"; its wait for quiet before re-measuring a disturbed row set to {vllm['retry_wait_s']:g} s "
                   "(a patched copy)")

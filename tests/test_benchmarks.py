@@ -344,7 +344,7 @@ if __name__ == "__main__":
     assert json.loads((out / "vllm_results_run.json").read_text())["results"][0]["median_ms"] == 2.0
     assert json.loads(fake.read_text()) == FAKE_VLLM                       # the file is untouched
     md = (out / "RESULTS.md").read_text()
-    assert "results read from files and a harness run" in md and "set to 5 s" in md
+    assert "results read from a file and a harness run" in md and "set to 5 s" in md
     # The run's own output path given as a file: refused, the file kept.
     clash = out / "vllm_results_run.json"
     p = subprocess.run(base + ["--vllm-json", str(clash)], capture_output=True, text=True, env=env, timeout=300,
