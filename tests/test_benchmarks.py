@@ -221,25 +221,31 @@ def test_harness_patch_makes_the_weight_pack_optional(tmp_path):
     assert vc.patch_source("def main():\n    pass\n") is None
 
 
-def test_run_harness_patches_on_the_fly(tmp_path):
-    """A harness that fails on the pack op is rerun as a patched copy in the output folder."""
-    h = tmp_path / "bench_vllm_cpu.py"
-    h.write_text('''import argparse, json
-def run_decode(ops):
-    return ops.causal_conv1d_weight_pack(w)
-w = 3
+def _fake_harness(path, *, top="", dump):
+    """Writes a stand-in for the shared harness at `path`: its command line, `top` at module level,
+    and a main() that writes the expression `dump` (over args) as its JSON. Returns the source."""
+    src = f"""import argparse, json
+{top}
 def main():
     ap = argparse.ArgumentParser()
     for a in ("--malloc", "--threads", "--sections", "--out", "--wait-quiet"):
         ap.add_argument(a)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    class Ops:
-        pass
-    json.dump(dict(results=[], x=run_decode(Ops()), quick=args.quick), open(args.out, "w"))
+    json.dump({dump}, open(args.out, "w"))
 if __name__ == "__main__":
     main()
-''')
+"""
+    path.write_text(src)
+    return src
+
+
+def test_run_harness_patches_on_the_fly(tmp_path):
+    """A harness that fails on the pack op is rerun as a patched copy in the output folder."""
+    h = tmp_path / "bench_vllm_cpu.py"
+    _fake_harness(h, top="def run_decode(ops):\n    return ops.causal_conv1d_weight_pack(w)\nw = 3\n"
+                         "class Ops:\n    pass",
+                  dump="dict(results=[], x=run_decode(Ops()), quick=args.quick)")
     out = tmp_path / "out"
     info = vc.run_harness(sys.executable, str(h), str(out), quick=True)
     assert info["status"] == "ok" and info["patched"] is True, info
@@ -279,19 +285,8 @@ def test_run_harness_sections_and_retry_wait(tmp_path):
     """--vllm-sections reach the harness (env always added); --vllm-retry-wait runs a copy whose
     QUIET_WAIT_S is set, and nothing else of it changes; the JSON goes to out_name."""
     h = tmp_path / "bench_vllm_cpu.py"
-    src = """import argparse, json
-QUIET_WAIT_S = 120.0
-def main():
-    ap = argparse.ArgumentParser()
-    for a in ("--malloc", "--threads", "--sections", "--out", "--wait-quiet"):
-        ap.add_argument(a)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    json.dump(dict(results=[], sections=args.sections, wait=QUIET_WAIT_S), open(args.out, "w"))
-if __name__ == "__main__":
-    main()
-"""
-    h.write_text(src)
+    src = _fake_harness(h, top="QUIET_WAIT_S = 120.0",
+                        dump="dict(results=[], sections=args.sections, wait=QUIET_WAIT_S)")
     out = tmp_path / "out"
     info = vc.run_harness(sys.executable, str(h), str(out), quick=False, sections="decode", retry_wait=5,
                           out_name="run.json")
@@ -315,19 +310,8 @@ def test_files_and_a_harness_run_are_merged(tmp_path):
     fake = tmp_path / "quick.json"
     fake.write_text(json.dumps(FAKE_VLLM))
     h = tmp_path / "bench_vllm_cpu.py"
-    h.write_text("""import argparse, json
-QUIET_WAIT_S = 120.0
-def main():
-    ap = argparse.ArgumentParser()
-    for a in ("--malloc", "--threads", "--sections", "--out", "--wait-quiet"):
-        ap.add_argument(a)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    row = dict(section="decode", case="decode_b8", op=%r, impl="vllm-kernel", state_dtype="fp32", median_ms=2.0)
-    json.dump(dict(meta=dict(quick=False), env={}, results=[row]), open(args.out, "w"))
-if __name__ == "__main__":
-    main()
-""" % KERNEL)
+    row = dict(section="decode", case="decode_b8", op=KERNEL, impl="vllm-kernel", state_dtype="fp32", median_ms=2.0)
+    _fake_harness(h, top="QUIET_WAIT_S = 120.0", dump=f"dict(meta=dict(quick=False), env={{}}, results=[{row!r}])")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("GDN_VLLM_PYTHON", None)
