@@ -80,14 +80,10 @@ inline void conv_params_t(const ConvArgs& p, int64_t c0, int64_t c1, float* wt) 
   const int64_t nc = c1 - c0, padded = (nc + kLanes - 1) / kLanes * kLanes;
   if (p.weight_dtype == DType::bf16) conv_taps_rows<W>(static_cast<const bf16*>(p.weight) + c0 * W, nc, wt);
   else conv_taps_rows<W>(static_cast<const float*>(p.weight) + c0 * W, nc, wt);
-  float* bt = wt + W * kConvChanBlock;
-  if (p.bias == nullptr) {
-    for (int64_t c = 0; c < nc; ++c) bt[c] = 0.f;
-  } else if (p.bias_dtype == DType::bf16) {
-    for (int64_t c = 0; c < nc; ++c) bt[c] = to_f32(static_cast<const bf16*>(p.bias)[c0 + c]);
-  } else {
-    for (int64_t c = 0; c < nc; ++c) bt[c] = static_cast<const float*>(p.bias)[c0 + c];
-  }
+  float* bt = wt + W * kConvChanBlock;  // the bias: one more row, as a 1-tap weight
+  if (p.bias == nullptr) std::memset(bt, 0, size_t(nc) * sizeof(float));
+  else if (p.bias_dtype == DType::bf16) conv_taps_rows<1>(static_cast<const bf16*>(p.bias) + c0, nc, bt);
+  else conv_taps_rows<1>(static_cast<const float*>(p.bias) + c0, nc, bt);
   for (int i = 0; i <= W; ++i)
     for (int64_t c = nc; c < padded; ++c) wt[i * kConvChanBlock + c] = 0.f;
 }
