@@ -501,6 +501,43 @@ void test_probes(const std::string& isa, const KernelTable& kt) {
              "got " + std::to_string(got) + ", want " + std::to_string(want_sum));
 }
 
+// The ISA's vector f32 -> bf16 store, bit for bit against round-to-nearest-even with NaN kept
+// as the same NaN made quiet: every high half with low halves at the rounding edges (ties
+// either way, one off, all ones), so NaNs whose payload is only in the low half (a plain
+// rounding add turns those into Inf or carries into the sign), Inf, the largest finite
+// values (which round to Inf), zeros and denormals. ISAs converting in hardware (AVX512-BF16,
+// AMX, Armv8.6 BFCVT) may flush a denormal input to a zero of its sign. A short tail checks
+// vstore_n.
+void test_bf16_rounding(const std::string& isa, const KernelTable& kt) {
+  const bool hw = isa == "avx512bf16" || isa == "amx" || isa == "neon_bf16";
+  const uint32_t lows[] = {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu};
+  std::vector<uint32_t> in;
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (uint32_t lo : lows) in.push_back(hi << 16 | lo);
+  for (uint32_t u : {0x7f800001u, 0x7fffffffu, 0xff808000u, 0x3f808000u, 0x00000001u, 0x7f7fffffu, 0x40400000u})
+    in.push_back(u);  // 7 more: a partial last vector
+  std::vector<float> x(in.size());
+  std::memcpy(x.data(), in.data(), in.size() * 4);
+  std::vector<uint16_t> y(in.size(), 0x1234u);
+  kt.round_bf16(x.data(), reinterpret_cast<bf16*>(y.data()), int64_t(in.size()));
+  int64_t bad = 0;
+  std::string first;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const uint32_t u = in[i];
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint16_t want = nan ? uint16_t((u >> 16) | 0x40u) : bf16_bits(x[i]);
+    const bool denormal = (u & 0x7f800000u) == 0 && (u & 0x7fffffu) != 0;
+    const bool ok = y[i] == want || (hw && denormal && y[i] == uint16_t((u >> 16) & 0x8000u));
+    if (!ok && bad++ == 0) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "0x%08x -> 0x%04x, want 0x%04x", u, unsigned(y[i]), unsigned(want));
+      first = buf;
+    }
+  }
+  check_true("bf16 rounding " + isa + " (" + std::to_string(in.size()) + " values) = RNE, NaN quiet", bad == 0,
+             bad == 0 ? "" : std::to_string(bad) + " differ, first " + first);
+}
+
 #if GDN_TEST_AMX
 // --- AMX tile model (x86 builds) ------------------------------------------------------------
 namespace am = gdn::amx_model_test;
@@ -925,6 +962,7 @@ int main() {
     }
     const KernelTable& kt = current_table();
     test_probes(isa, kt);
+    test_bf16_rounding(isa, kt);
     test_silu_edges(kt);
     std::mt19937 rng(1234);
     for (DType act : {DType::f32, DType::bf16}) {

@@ -1,6 +1,15 @@
-// Peak-throughput probes for the benchmarks' roofline. Included inside the ISA namespace.
-// Each returns the sum of its accumulators, so the work is not optimised away and a test can
-// check that the loop ran as counted (the operands are chosen so that every sum is exact).
+// Probes: the peak-throughput loops of the benchmarks' roofline, and the vector bf16 rounding
+// for the core tests. Included inside the ISA namespace. Each peak probe returns the sum of
+// its accumulators, so the work is not optimised away and a test can check that the loop ran
+// as counted (the operands are chosen so that every sum is exact).
+
+// n values through vstore / vstore_n of a VF to bf16: the rounding every kernel's bf16 output
+// and state take (the core tests compare it bit for bit with round-to-nearest-even).
+inline void round_bf16(const float* x, bf16* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(y + i, vload(x + i));
+  if (i < n) vstore_n(y + i, vload_n(x + i, int(n - i)), int(n - i));
+}
 
 // f32 FMA peak: kFmaProbeChains independent chains, one FMA of a VF each per iteration
 // (kFmaProbeFlops flops), accumulators in registers: 12 machine registers of chains (covers
