@@ -101,7 +101,8 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 // One token's fused pass over the K rows of a column block:
 //   S' = alpha S + k̂ deltaᵀ, stored to dst (state dtype; kNT: non-temporal) and, if kLoc,
 //   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
-//   Even and odd k accumulate separately.
+//   o and kvn accumulate over k in one chain per column (ffi/README.md, "One accumulator
+//   chain"): with rec_kv's even / odd pairs AVX2 ran out of ymm registers in the spec passes.
 // pf (may be null; used for a bf16 source): the next column block to be read from memory,
 // same row stride; its row k is prefetched beside row k of this one. A bf16 block row is one
 // 64-byte line, rows V elements apart: short pieces the hardware prefetchers follow poorly.
@@ -115,8 +116,8 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
                           VF* kvn, const Src* pf) {
   constexpr int kLineElems = 64 / int(sizeof(Src));
-  VF o0[NV], o1[NV], n0[NV], n1[NV];
-  for (int c = 0; c < NV; ++c) o0[c] = o1[c] = n0[c] = n1[c] = vzero();
+  VF oa[NV], na[NV];
+  for (int c = 0; c < NV; ++c) oa[c] = na[c] = vzero();
   const VF va = vset1(alpha);
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
@@ -127,16 +128,16 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
       }
     }
     rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
-                                         kNext ? khn[k] : 0.f, ncol, o0, n0);
+                                         kNext ? khn[k] : 0.f, ncol, oa, na);
     rec_row<NV, kFull, kNext, kLoc, kNT>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
-                                         d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, o1, n1);
+                                         d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, oa, na);
   }
   if (k < K)
     rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
-                                         kNext ? khn[k] : 0.f, ncol, o0, n0);
+                                         kNext ? khn[k] : 0.f, ncol, oa, na);
   for (int c = 0; c < NV; ++c) {
-    o[c] = o0[c] + o1[c];
-    if (kNext) kvn[c] = n0[c] + n1[c];
+    o[c] = oa[c];
+    if (kNext) kvn[c] = na[c];
   }
 }
 
