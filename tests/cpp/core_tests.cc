@@ -35,7 +35,7 @@ namespace {
 
 int g_pass = 0, g_fail = 0;
 
-uint16_t bf16_bits(float f) {  // RNE, inputs here are finite
+uint16_t bf16_bits(float f) {  // RNE, for any value but NaN (±Inf and overflow give ±Inf)
   uint32_t u;
   std::memcpy(&u, &f, 4);
   u += 0x7fffu + ((u >> 16) & 1u);
