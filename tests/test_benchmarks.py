@@ -191,23 +191,39 @@ def test_report_and_plots(quick_run):
 
 # --- pieces without timing ------------------------------------------------------------------------
 
-HARNESS = '''import sys
+# A stand-in for torch inside the fake harnesses (this venv has none): a weight that knows its
+# shape, and torch.cpu's AVX512-BF16 query answering what the harness's command line says.
+TORCH_STUB = '''import sys, types
+class W:
+    def __init__(self, shape):
+        self.shape = shape
+    def unsqueeze(self, d):
+        return W(self.shape[:d] + (1,) + self.shape[d:])
+torch = types.ModuleType("torch")
+torch.cpu = types.SimpleNamespace(_is_avx512_bf16_supported=lambda: "--avx512bf16" in sys.argv)
+sys.modules["torch"] = torch
+class PackingOps:
+    def causal_conv1d_weight_pack(self, w):
+        return W(("packed",) + w.shape)
+'''
+
+HARNESS = TORCH_STUB + '''
 def run_decode(ops):
-    w = 1
+    w = W((8, 4))
     w_packed = ops.causal_conv1d_weight_pack(w)
     return w_packed
 
 def main():
-    class Ops:
-        pass
-    print(run_decode(Ops()))
+    print(run_decode(PackingOps() if "--has-pack" in sys.argv else object()).shape)
 
 if __name__ == "__main__":
     main()
 '''
 
 
-def test_harness_patch_makes_the_weight_pack_optional(tmp_path):
+def test_harness_patch_leaves_the_weight_as_vllm_loads_it(tmp_path):
+    """The patched pack step follows vLLM's loader: packed only on a CPU with AVX512-BF16 (or ARM
+    bf16) whose build has the op; otherwise nn.Conv1d's [dim, 1, width]."""
     src = tmp_path / "h.py"
     src.write_text(HARNESS)
     p = subprocess.run([sys.executable, str(src)], capture_output=True, text=True)
@@ -216,8 +232,16 @@ def test_harness_patch_makes_the_weight_pack_optional(tmp_path):
     assert patched is not None and "ops.causal_conv1d_weight_pack(w)\n    return" not in patched
     dst = tmp_path / "h2.py"
     dst.write_text(patched)
-    p = subprocess.run([sys.executable, str(dst)], capture_output=True, text=True)
-    assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr
+
+    def shape(*flags):
+        p = subprocess.run([sys.executable, str(dst), *flags], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip()
+
+    assert shape() == "(8, 1, 4)"                                    # no op (_C_AVX2), no AVX512-BF16
+    assert shape("--has-pack") == "(8, 1, 4)"                        # vLLM packs on this predicate only
+    assert shape("--avx512bf16") == "(8, 1, 4)"                      # the CPU has it, the build has no op
+    assert shape("--has-pack", "--avx512bf16") == "('packed', 8, 4)"
     assert vc.patch_source("def main():\n    pass\n") is None
 
 
@@ -243,13 +267,13 @@ if __name__ == "__main__":
 def test_run_harness_patches_on_the_fly(tmp_path):
     """A harness that fails on the pack op is rerun as a patched copy in the output folder."""
     h = tmp_path / "bench_vllm_cpu.py"
-    _fake_harness(h, top="def run_decode(ops):\n    return ops.causal_conv1d_weight_pack(w)\nw = 3\n"
-                         "class Ops:\n    pass",
-                  dump="dict(results=[], x=run_decode(Ops()), quick=args.quick)")
+    _fake_harness(h, top=TORCH_STUB + "def run_decode(ops):\n    return ops.causal_conv1d_weight_pack(w)\n"
+                                      "w = W((8, 4))\n",
+                  dump="dict(results=[], x=run_decode(object()).shape, quick=args.quick)")
     out = tmp_path / "out"
     info = vc.run_harness(sys.executable, str(h), str(out), quick=True)
     assert info["status"] == "ok" and info["patched"] is True, info
-    assert info["json"] == dict(results=[], x=3, quick=True)
+    assert info["json"] == dict(results=[], x=[8, 1, 4], quick=True)
     assert (out / "bench_vllm_cpu_patched.py").exists()
     bad = tmp_path / "bad.py"
     bad.write_text("raise SystemExit('boom')\n")
