@@ -248,8 +248,7 @@ def markdown(res, md_dir):
         if vllm.get("harness_error"):
             v += f"; the harness run failed ({vllm['harness_error']}), the files' rows are used"
         if vllm.get("patched"):
-            v += "; the shared harness stopped on the missing `causal_conv1d_weight_pack` op and ran as a copy " \
-                 "patched at run time (pack falls back to the unpacked weight; native-conv rows report errors)"
+            v += "; the harness " + vllm.get("patch_note", "ran as a copy patched at run time")
         L.append(f"| vLLM | {v} |")
     else:
         L.append(f"| vLLM | {vllm.get('status')}" + (f": {vllm['error']}" if vllm.get("error") else "") + " |")

@@ -265,7 +265,7 @@ if __name__ == "__main__":
 
 
 def test_run_harness_patches_on_the_fly(tmp_path):
-    """A harness that fails on the pack op is rerun as a patched copy in the output folder."""
+    """A harness with the pack step runs as a patched copy in the output folder; one without runs as it is."""
     h = tmp_path / "bench_vllm_cpu.py"
     _fake_harness(h, top=TORCH_STUB + "def run_decode(ops):\n    return ops.causal_conv1d_weight_pack(w)\n"
                                       "w = W((8, 4))\n",
@@ -275,10 +275,19 @@ def test_run_harness_patches_on_the_fly(tmp_path):
     assert info["status"] == "ok" and info["patched"] is True, info
     assert info["json"] == dict(results=[], x=[8, 1, 4], quick=True)
     assert (out / "bench_vllm_cpu_patched.py").exists()
+    # A build with the pack op on a CPU where vLLM does not pack: the harness alone would run, with
+    # a packed weight that vLLM's glue cannot read there; the copy holds [dim, 1, width].
+    ok = tmp_path / "with_op.py"
+    _fake_harness(ok, top=TORCH_STUB + "def _x():\n    ops, w = PackingOps(), W((8, 4))\n"
+                                       "    return ops.causal_conv1d_weight_pack(w).shape\n",
+                  dump="dict(results=[], x=_x(), quick=args.quick)")
+    info = vc.run_harness(sys.executable, str(ok), str(out), quick=False)
+    assert info["status"] == "ok" and info["patched"] is True and info["json"]["x"] == [8, 1, 4], info
     bad = tmp_path / "bad.py"
     bad.write_text("raise SystemExit('boom')\n")
     info = vc.run_harness(sys.executable, str(bad), str(out), quick=False)
     assert info["status"] == "failed" and "boom" in info["error"] and not info["patched"]
+    assert info["cmd"].split()[1] == str(bad)                       # nothing to patch: run as it is
 
 
 def test_load_json_merges_runs_later_rows_win(tmp_path):
