@@ -53,7 +53,8 @@ QUIET_WAIT_RE = re.compile(r"^QUIET_WAIT_S = [0-9.eE+-]+", re.M)
 
 
 def patch_source(src: str) -> str | None:
-    """The harness source with the weight pack made optional, or None if it cannot be patched."""
+    """The harness source with its weight pack following vLLM's load-time rule (PACK_HELPER), or None
+    if it has no pack step to patch."""
     n = src.count(PACK_CALL)
     if n == 0 or "\ndef main(" not in src:
         return None
