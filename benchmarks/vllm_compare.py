@@ -23,7 +23,7 @@ import time
 
 PACK_CALL = "ops.causal_conv1d_weight_pack(w)"
 PACK_HELPER = '''
-def _gdn_jax_optional_pack(ops, w):
+def _gdn_jax_vllm_conv_weight(ops, w):
     """Inserted by gdn_jax benchmarks/run.py at run time: the conv weight [dim, width] as vLLM's
     loader leaves it on this CPU (vllm/model_executor/layers/utils.py). It packs only where the CPU
     has AVX512-BF16 or ARM bf16, for the native conv; elsewhere the weight stays nn.Conv1d's
@@ -58,7 +58,7 @@ def patch_source(src: str) -> str | None:
     n = src.count(PACK_CALL)
     if n == 0 or "\ndef main(" not in src:
         return None
-    out = src.replace(PACK_CALL, "_gdn_jax_optional_pack(ops, w)")
+    out = src.replace(PACK_CALL, "_gdn_jax_vllm_conv_weight(ops, w)")
     i = out.index("\ndef main(")
     return out[:i + 1] + PACK_HELPER.lstrip("\n") + out[i + 1:]
 
