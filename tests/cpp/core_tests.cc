@@ -245,6 +245,82 @@ void test_silu_edges(const KernelTable& kt) {
              bad ? std::to_string(bad) + " bad, first: " + first : info);
 }
 
+// The SiLU of bf16 outputs (vsilu_bf16, which may be cheaper than the f32 one). (1) Before the
+// rounding, through kt.silu_bf16 on a dense sweep of [-90, 90] and edge values: relative error
+// <= 1e-4 (1/20 of a bf16 half spacing), or absolute <= 1e-30 where the true value is that small
+// (x < -75; a back end may flush it); NaN exactly where float64 has NaN. (2) Through the conv
+// with bf16 activations on every bf16 value (all 65536 bit patterns) as x, taps (0, 1) and no
+// bias: odd rows hold the values and even rows zeros, so an odd row's pre-activation is
+// 0 * 0 + x = x exactly. The output must be NaN / ±Inf exactly where float64 is, else within one
+// bf16 spacing of the exact value (one of the two bf16 values around it), or within the 1e-30
+// floor. How many outputs rounded to the other neighbour than RNE of the exact value is reported.
+void test_silu_bf16(const KernelTable& kt) {
+  {
+    std::vector<float> xs = {0.f, 1e-30f, -1e-30f, 1e-5f, -1e-5f, 0.5f, -0.5f, 1.f, -1.f, 3.f, -3.f, 10.f, -10.f,
+                             20.f, -20.f, 50.f, -50.f, 80.f, -80.f, -87.f, -88.f, -88.3f, -88.4f, -88.5f, -89.f,
+                             -100.f, -1e30f, 87.f, 88.f, 89.f, 100.f, 1e30f, 3e38f, -3e38f, std::nanf("")};
+    for (int i = 0; i <= 180000; ++i) xs.push_back(-90.f + 0.001f * float(i) + 1e-5f * float(i % 7));
+    std::vector<float> ys(xs.size());
+    kt.silu_bf16(xs.data(), ys.data(), int64_t(xs.size()));
+    int bad = 0;
+    double worst = 0.0;
+    std::string first;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const double xv = xs[i], want = xv / (1.0 + std::exp(-xv)), got = ys[i];
+      const double rel = std::fabs(got - want) / std::max(std::fabs(want), 1e-300);
+      const bool ok = std::isnan(want) ? std::isnan(got)
+                                       : !std::isnan(got) && (got == want || rel <= 1e-4 ||
+                                                              (std::fabs(want) < 1e-30 && std::fabs(got - want) <= 1e-30));
+      if (!ok && bad++ == 0) first = "x " + std::to_string(xv) + " got " + std::to_string(got) + " want " + std::to_string(want);
+      if (std::fabs(want) > 1e-30 && std::isfinite(want)) worst = std::max(worst, rel);
+    }
+    char info[64];
+    std::snprintf(info, sizeof info, "max rel %.2e", worst);
+    check_true(std::string("silu bf16 before rounding, sweep ") + kt.isa, bad == 0,
+               bad ? std::to_string(bad) + " bad, first: " + first : info);
+  }
+  const int64_t D = 40, W = 2, rows = (65536 + D - 1) / D, T = 2 * rows;  // D: two vectors and a tail
+  std::vector<uint16_t> x(T * D, 0), y(T * D, 0x3f80), st((W - 1) * D, 0);
+  for (int64_t i = 0; i < 65536; ++i) x[(2 * (i / D) + 1) * D + i % D] = uint16_t(i);
+  std::vector<float> w(D * W), bias(D, 0.f);
+  for (int64_t c = 0; c < D; ++c) w[c * W] = 0.f, w[c * W + 1] = 1.f;
+  const std::vector<int32_t> qsl = {0, int32_t(T)}, idx = {0};
+  const std::vector<uint8_t> has_init = {0};
+  ConvArgs p{};
+  p.act = DType::bf16; p.x = x.data(); p.y = y.data(); p.weight = w.data(); p.bias = bias.data();
+  p.T = T; p.D = D; p.W = W; p.silu = true; p.conv_state = st.data(); p.N = 1; p.L = W - 1;
+  p.slot_stride = (W - 1) * D; p.time_stride = D; p.chan_stride = 1;
+  p.query_start_loc = qsl.data(); p.state_indices = idx.data();
+  p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = 1;
+  kt.conv_fwd(p, Parallel{});
+  int bad = 0;
+  int64_t other = 0, counted = 0;
+  std::string first;
+  for (int64_t i = 0; i < 65536; ++i) {
+    const double xv = bf16_value(uint16_t(i));
+    const double want = xv / (1.0 + std::exp(-xv));
+    const double got = bf16_value(y[(2 * (i / D) + 1) * D + i % D]);
+    bool ok;
+    if (std::isnan(want)) ok = std::isnan(got);
+    else if (std::isinf(want)) ok = got == want;
+    else if (std::isnan(got)) ok = false;
+    else if (std::fabs(want) < 1e-30) ok = std::fabs(got - want) <= 1e-30;
+    else {
+      const double spacing = std::ldexp(1.0, std::ilogb(want) - 7);  // bf16: 8 significant bits
+      ok = std::fabs(got - want) < spacing;
+      if (std::fabs(xv) >= 1e-3 && std::fabs(xv) <= 88.0) {  // where the SiLU is not x or ~0
+        ++counted;
+        other += got != bf16_value(bf16_bits(float(want)));
+      }
+    }
+    if (!ok && bad++ == 0) first = "x " + std::to_string(xv) + " got " + std::to_string(got) + " want " + std::to_string(want);
+  }
+  char info[96];
+  std::snprintf(info, sizeof info, "%.2f%% of 1e-3 <= |x| <= 88 rounded the other way", 100.0 * double(other) / double(counted));
+  check_true(std::string("silu bf16, every bf16 input (conv_fwd) ") + kt.isa, bad == 0,
+             bad ? std::to_string(bad) + " bad, first: " + first : info);
+}
+
 // --- gated delta rule ---------------------------------------------------------------------
 struct GdnCase {
   int64_t H = 2, HV = 4, K = 32, V = 48, N = 7;
@@ -964,6 +1040,7 @@ int main() {
     test_probes(isa, kt);
     test_bf16_rounding(isa, kt);
     test_silu_edges(kt);
+    test_silu_bf16(kt);
     std::mt19937 rng(1234);
     for (DType act : {DType::f32, DType::bf16}) {
       test_gating(kt, act, rng);

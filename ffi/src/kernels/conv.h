@@ -95,12 +95,16 @@ inline void conv_copy_vec(T* dst, const T* src, int n) {
   else std::memcpy(static_cast<void*>(dst), src, size_t(n) * sizeof(T));
 }
 
-template <bool SILU>
+// The activation of an output stored as T: a bf16 output takes vsilu_bf16, accurate to well
+// under its own rounding (ffi/README.md, "SiLU").
+template <bool SILU, class T>
 inline VF conv_act(VF a) {
-  if (SILU) return vsilu(a);
-  return a;
+  if constexpr (!SILU) return a;
+  else if constexpr (std::is_same_v<T, bf16>) return vsilu_bf16(a);
+  else return vsilu(a);
 }
-inline VF conv_act_rt(VF a, bool silu) { return silu ? conv_act<true>(a) : a; }
+template <class T>
+inline VF conv_act_rt(VF a, bool silu) { return silu ? conv_act<true, T>(a) : a; }
 
 template <class T>
 inline void conv_zero_rows(T* y, int64_t D, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
@@ -130,7 +134,7 @@ inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp
     e3 = e2;
     e2 = e1;
     e1 = xv;
-    acc = conv_act<SILU>(acc);
+    acc = conv_act<SILU, T>(acc);
     if (FULL) vstore(yp, acc);
     else vstore_n(yp, acc, n);
   }
@@ -250,7 +254,7 @@ void conv_fwd_block_any(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, i
         for (int64_t i = 0; i < W; ++i)
           acc = vfma(conv_tap(p, c, n, i),
                      conv_fwd_xt(p, x, st, qsl[s], p.has_initial_state[s], t - (W - 1) + i, c, n), acc);
-        vstore_n(y + t * D + c, conv_act_rt(acc, p.silu), n);
+        vstore_n(y + t * D + c, conv_act_rt<T>(acc, p.silu), n);
       }
     }
   }
@@ -427,7 +431,7 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
                                  : vload_n(x + (start + k - (W - 1)) * D + c, n);
           a = vfma(conv_tap(p, c, n, i), v, a);
         }
-        vstore_n(y + (start + t) * D + c, conv_act_rt(a, p.silu), n);
+        vstore_n(y + (start + t) * D + c, conv_act_rt<T>(a, p.silu), n);
       }
       for (int64_t j = 0; j + 1 < W - 1; ++j) conv_store_row(st + j * ts, cs, conv_load_row(st + (acc + j) * ts, cs, n), n);
       for (int64_t k = 0; k < q; ++k) {

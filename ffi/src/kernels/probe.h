@@ -1,7 +1,7 @@
 // Probes: the peak-throughput loops of the benchmarks' roofline, and the vector bf16 rounding
-// for the core tests. Included inside the ISA namespace. Each peak probe returns the sum of
-// its accumulators, so the work is not optimised away and a test can check that the loop ran
-// as counted (the operands are chosen so that every sum is exact).
+// and bf16-output SiLU for the core tests. Included inside the ISA namespace. Each peak probe
+// returns the sum of its accumulators, so the work is not optimised away and a test can check
+// that the loop ran as counted (the operands are chosen so that every sum is exact).
 
 // n values through vstore / vstore_n of a VF to bf16: the rounding every kernel's bf16 output
 // and state take (the core tests compare it bit for bit with round-to-nearest-even).
@@ -9,6 +9,14 @@ inline void round_bf16(const float* x, bf16* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) vstore(y + i, vload(x + i));
   if (i < n) vstore_n(y + i, vload_n(x + i, int(n - i)), int(n - i));
+}
+
+// n values through vsilu_bf16, the conv's SiLU for bf16 outputs (its accuracy is below what
+// the bf16 rounding shows; the core tests check it here, before that rounding).
+inline void silu_bf16_values(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(y + i, vsilu_bf16(vload(x + i)));
+  if (i < n) vstore_n(y + i, vsilu_bf16(vload_n(x + i, int(n - i))), int(n - i));
 }
 
 // f32 FMA peak: kFmaProbeChains independent chains, one FMA of a VF each per iteration

@@ -111,3 +111,5 @@ inline void vstream_fence() {}
 
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
 inline VF vsilu(VF a) { return a / (vset1(1.f) + vexp(vzero() - a)); }
+// SiLU for a bf16-rounded result: no cheaper form on this back end (vec_avx2.h has one).
+inline VF vsilu_bf16(VF a) { return vsilu(a); }
