@@ -420,7 +420,8 @@ def layer_call(kind, state_dtype, requests_sets, T, S, num_spec, N):
     attn = GDNAttention(cfg, impl="native")
     params = GDNParams.random(cfg, jax.random.key(0))
     cache = GDNCache.create(cfg, num_slots=N)
-    batches = [build_batch(r, num_slots=N, num_spec=num_spec, token_bucket=T, row_bucket=S).metadata
+    # On the device once, as the serving loop does per step (and like the baseline's index arrays).
+    batches = [build_batch(r, num_slots=N, num_spec=num_spec, token_bucket=T, row_bucket=S).metadata.to_device()
                for r in requests_sets]
     rng = np.random.default_rng(0)
     x = rnd(rng, (T, cfg.D), jnp.bfloat16)
