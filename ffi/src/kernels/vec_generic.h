@@ -59,5 +59,6 @@ inline void vstream_fence() {}
 
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
 inline VF vsilu(VF a) { return a / (vset1(1.f) + vexp(vzero() - a)); }
-// SiLU for a bf16-rounded result: no cheaper form on this back end (vec_avx2.h has one).
+// SiLU for a bf16-rounded result: the portable back end keeps the full one (vec_avx2.h,
+// vec_neon.h have a cheaper form).
 inline VF vsilu_bf16(VF a) { return vsilu(a); }
