@@ -96,7 +96,7 @@ inline void conv_copy_vec(T* dst, const T* src, int n) {
 }
 
 // The activation of an output stored as T: a bf16 output takes vsilu_bf16, accurate to well
-// under its own rounding (ffi/README.md, "SiLU").
+// under its own rounding (ffi/README.md, "bf16 outputs").
 template <bool SILU, class T>
 inline VF conv_act(VF a) {
   if constexpr (!SILU) return a;

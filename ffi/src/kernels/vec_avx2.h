@@ -146,9 +146,9 @@ inline VF vsilu(VF a) { return {silu8(a.lo), silu8(a.hi)}; }
 // SiLU for a result that is rounded to bf16 next (the conv with bf16 activations): e^-x = 2^t,
 // t = -x log2(e) clamped to [-126, 128], 2^(t - round(t)) by a degree-3 relative-minimax
 // polynomial (7.5e-5), then one division. 13 operations per 8 lanes against silu8's 22, and
-// ~1.9x its throughput. Largest relative error ~8e-5, a few % of a bf16 half spacing: an
-// output rounds to the other bf16 neighbour of the exact value in ~0.5% of lanes, one ulp at
-// most (core test "silu bf16"). From t = 127.5 on 2^n is +Inf (exponent field 255), so
+// 1.6-1.9x its throughput. Largest relative error ~8e-5, a few % of a bf16 half spacing: an
+// output rounds to the other bf16 neighbour of the exact value in ~0.4-0.7% of lanes, one ulp
+// at most (core test "silu bf16"). From t = 127.5 on 2^n is +Inf (exponent field 255), so
 // x < -88.37 gives x / Inf = -0 (true value below 4e-37); NaN stays NaN.
 inline __m256 silu8_bf16(__m256 x) {
   __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(-1.44269504088896341f));
