@@ -247,7 +247,8 @@ void test_silu_edges(const KernelTable& kt) {
 
 // The SiLU of bf16 outputs (vsilu_bf16, which may be cheaper than the f32 one). (1) Before the
 // rounding, through kt.silu_bf16 on a dense sweep of [-90, 90] and edge values: relative error
-// <= 1e-4 (1/20 of a bf16 half spacing), or absolute <= 1e-30 where the true value is that small
+// <= 1e-5 (so that its bf16 outputs round like the exact SiLU's in all but a few per 10^4; the
+// AVX2 / NEON form reaches 3.6e-6), or absolute <= 1e-30 where the true value is that small
 // (x < -75; a back end may flush it); NaN exactly where float64 has NaN. (2) Through the conv
 // with bf16 activations on every bf16 value (all 65536 bit patterns) as x, taps (0, 1) and no
 // bias: odd rows hold the values and even rows zeros, so an odd row's pre-activation is
@@ -269,7 +270,7 @@ void test_silu_bf16(const KernelTable& kt) {
       const double xv = xs[i], want = xv / (1.0 + std::exp(-xv)), got = ys[i];
       const double rel = std::fabs(got - want) / std::max(std::fabs(want), 1e-300);
       const bool ok = std::isnan(want) ? std::isnan(got)
-                                       : !std::isnan(got) && (got == want || rel <= 1e-4 ||
+                                       : !std::isnan(got) && (got == want || rel <= 1e-5 ||
                                                               (std::fabs(want) < 1e-30 && std::fabs(got - want) <= 1e-30));
       if (!ok && bad++ == 0) first = "x " + std::to_string(xv) + " got " + std::to_string(got) + " want " + std::to_string(want);
       if (std::fabs(want) > 1e-30 && std::isfinite(want)) worst = std::max(worst, rel);
@@ -316,7 +317,7 @@ void test_silu_bf16(const KernelTable& kt) {
     if (!ok && bad++ == 0) first = "x " + std::to_string(xv) + " got " + std::to_string(got) + " want " + std::to_string(want);
   }
   char info[96];
-  std::snprintf(info, sizeof info, "%.2f%% of 1e-3 <= |x| <= 88 rounded the other way", 100.0 * double(other) / double(counted));
+  std::snprintf(info, sizeof info, "%.3f%% of 1e-3 <= |x| <= 88 rounded the other way", 100.0 * double(other) / double(counted));
   check_true(std::string("silu bf16, every bf16 input (conv_fwd) ") + kt.isa, bad == 0,
              bad ? std::to_string(bad) + " bad, first: " + first : info);
 }
