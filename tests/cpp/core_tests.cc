@@ -199,6 +199,23 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
   check("conv_update state " + tag, rel_rmse(read_act(st.data(), act, N * L * D), s2r), 0.0);
 }
 
+// conv_fwd over one fresh sequence of T tokens, D channels, W = 2, taps (0, 1) and a zero bias,
+// so y[t] = silu(0 * x[t-1] + x[t]): how the SiLU tests reach each ISA's vsilu / vsilu_bf16.
+void conv_silu_of_rows(const KernelTable& kt, DType act, const void* x, void* y, int64_t T, int64_t D) {
+  const int64_t W = 2;
+  std::vector<float> w(D * W), bias(D, 0.f), st((W - 1) * D, 0.f);  // st: room for either dtype
+  for (int64_t c = 0; c < D; ++c) w[c * W] = 0.f, w[c * W + 1] = 1.f;
+  const std::vector<int32_t> qsl = {0, int32_t(T)}, idx = {0};
+  const std::vector<uint8_t> has_init = {0};
+  ConvArgs p{};
+  p.act = act; p.x = x; p.y = y; p.weight = w.data(); p.bias = bias.data();
+  p.T = T; p.D = D; p.W = W; p.silu = true; p.conv_state = st.data(); p.N = 1; p.L = W - 1;
+  p.slot_stride = (W - 1) * D; p.time_stride = D; p.chan_stride = 1;
+  p.query_start_loc = qsl.data(); p.state_indices = idx.data();
+  p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = 1;
+  kt.conv_fwd(p, Parallel{});
+}
+
 // SiLU at the edges of its range (each back end's vsilu has its own exp clamp and reciprocal)
 // and on a dense sweep of [-90, 90] (every step of the exp polynomial's argument reduction),
 // through the conv with taps (0, 1) and no bias, so y[t] = silu(0 * x[t-1] + x[t]) (a NaN in
@@ -211,20 +228,11 @@ void test_silu_edges(const KernelTable& kt) {
                              -89.f, -90.f, -100.f, -1e3f, -1e30f, 87.f, 88.f, 88.8f, 89.f, 100.f, 1e4f,
                              1e30f, std::nanf("")};
   for (int i = 0; i <= 36000; ++i) vals.push_back(-90.f + 0.005f * float(i) + 1e-4f * float(i % 7));
-  const int64_t D = 40, W = 2, T = int64_t(vals.size());  // D: two full vectors and a tail
+  const int64_t D = 40, T = int64_t(vals.size());  // D: two full vectors and a tail
   if (T % 7 == 0) std::abort();  // x below walks vals with step 7: it must visit every value
-  std::vector<float> x(T * D), y(T * D, 1.f), st((W - 1) * D, 0.f), bias(D, 0.f), w(D * W);
+  std::vector<float> x(T * D), y(T * D, 1.f);
   for (int64_t i = 0; i < T * D; ++i) x[i] = vals[size_t(i * 7 % T)];
-  for (int64_t c = 0; c < D; ++c) w[c * W] = 0.f, w[c * W + 1] = 1.f;
-  const std::vector<int32_t> qsl = {0, int32_t(T)}, idx = {0};
-  const std::vector<uint8_t> has_init = {0};
-  ConvArgs p{};
-  p.act = DType::f32; p.x = x.data(); p.y = y.data(); p.weight = w.data(); p.bias = bias.data();
-  p.T = T; p.D = D; p.W = W; p.silu = true; p.conv_state = st.data(); p.N = 1; p.L = W - 1;
-  p.slot_stride = (W - 1) * D; p.time_stride = D; p.chan_stride = 1;
-  p.query_start_loc = qsl.data(); p.state_indices = idx.data();
-  p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = 1;
-  kt.conv_fwd(p, Parallel{});
+  conv_silu_of_rows(kt, DType::f32, x.data(), y.data(), T, D);
   int bad = 0;
   double worst = 0.0;
   std::string first;
@@ -280,20 +288,10 @@ void test_silu_bf16(const KernelTable& kt) {
     check_true(std::string("silu bf16 before rounding, sweep ") + kt.isa, bad == 0,
                bad ? std::to_string(bad) + " bad, first: " + first : info);
   }
-  const int64_t D = 40, W = 2, rows = (65536 + D - 1) / D, T = 2 * rows;  // D: two vectors and a tail
-  std::vector<uint16_t> x(T * D, 0), y(T * D, 0x3f80), st((W - 1) * D, 0);
+  const int64_t D = 40, rows = (65536 + D - 1) / D, T = 2 * rows;  // D: two vectors and a tail
+  std::vector<uint16_t> x(T * D, 0), y(T * D, 0x3f80);
   for (int64_t i = 0; i < 65536; ++i) x[(2 * (i / D) + 1) * D + i % D] = uint16_t(i);
-  std::vector<float> w(D * W), bias(D, 0.f);
-  for (int64_t c = 0; c < D; ++c) w[c * W] = 0.f, w[c * W + 1] = 1.f;
-  const std::vector<int32_t> qsl = {0, int32_t(T)}, idx = {0};
-  const std::vector<uint8_t> has_init = {0};
-  ConvArgs p{};
-  p.act = DType::bf16; p.x = x.data(); p.y = y.data(); p.weight = w.data(); p.bias = bias.data();
-  p.T = T; p.D = D; p.W = W; p.silu = true; p.conv_state = st.data(); p.N = 1; p.L = W - 1;
-  p.slot_stride = (W - 1) * D; p.time_stride = D; p.chan_stride = 1;
-  p.query_start_loc = qsl.data(); p.state_indices = idx.data();
-  p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = 1;
-  kt.conv_fwd(p, Parallel{});
+  conv_silu_of_rows(kt, DType::bf16, x.data(), y.data(), T, D);
   int bad = 0;
   int64_t other = 0, counted = 0;
   std::string first;
