@@ -433,6 +433,16 @@ def _random_mix(cfg, rng, t=T, s=S):
     return reqs
 
 
+def _unregister_duration_listener(listener):
+    # Public from jax 0.8.1 on; the older releases of the supported range (0.5.3-0.8.0) have only
+    # the private form.
+    unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+    if unregister is None:
+        from jax._src import monitoring
+        unregister = monitoring._unregister_event_duration_listener_by_callback
+    unregister(listener)
+
+
 @pytest.mark.parametrize("impl_isa", IMPLS)
 def test_one_executable_serves_every_mix(impl_isa):
     rng = np.random.default_rng(11)
@@ -451,7 +461,7 @@ def test_one_executable_serves_every_mix(impl_isa):
                 kinds_seen |= {r.kind for r in reqs}
                 eng.step(reqs, _inputs(CFG, rng, reqs))
         finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
+            _unregister_duration_listener(listener)
     assert kinds_seen == {"prefill", "decode", "spec"}
     assert fn._cache_size() == before
     assert [e for e in compiles if e == "/jax/core/compile/backend_compile_duration"] == []
