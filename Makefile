@@ -8,6 +8,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 BUILD  ?= build/dev
 JOBS   ?= 2
+# What a fresh venv gets; e.g. JAX_REQ="jax==0.5.3 jaxlib==0.5.3" VENV=.venv-jax053 BUILD=build/jax053
+# tests the bottom of the supported range (README.md).
+JAX_REQ ?= "jax>=0.5.3,<0.12" "jaxlib>=0.5.3,<0.12"
 
 .PHONY: demo test test-core build venv bench bench-quick clean
 
@@ -15,7 +18,7 @@ venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "jax>=0.5.3,<0.12" "jaxlib>=0.5.3,<0.12" "numpy>=1.26" \
+	$(PY) -m pip install -q $(JAX_REQ) "numpy>=1.26" \
 	    "nanobind>=2.4" "scikit-build-core>=0.10" "pytest>=8" ninja cmake
 	@touch $@
 
