@@ -6,19 +6,70 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import warnings
+from pathlib import Path
 from typing import Iterator
 
 import jax
 
 TARGET_PREFIX = "gdn_jax_"
 
+
+def runtime_ffi_api_version() -> tuple[int, int] | None:
+    """(major, minor) XLA FFI API version of the installed jaxlib, read from the C header it ships
+    (``jax.ffi.include_dir()``); None when the header cannot be read."""
+    try:
+        text = (Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    except (AttributeError, OSError):
+        return None
+    found = [re.search(rf"^#define XLA_FFI_API_{part} (\d+)", text, re.M) for part in ("MAJOR", "MINOR")]
+    return (int(found[0].group(1)), int(found[1].group(1))) if all(found) else None
+
+
+def _jaxlib_version() -> str:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except (ImportError, AttributeError):
+        return "?"
+
+
+def ffi_api_mismatch(module_version: tuple[int, int], runtime_version: tuple[int, int] | None) -> str | None:
+    """Why a module compiled against XLA FFI API ``module_version`` cannot register with a jaxlib
+    of ``runtime_version``, or None when it can (or the runtime's version is unknown). A jaxlib
+    takes handlers of its own API version and of older ones of the same major version, never of
+    newer ones (jaxlib 0.5.3-0.8.0 are 0.1, 0.8.3 0.2, 0.10.2 0.3, 0.11.2 0.4; each of them ran
+    handlers compiled against 0.1)."""
+    if runtime_version is None:
+        return None
+    if module_version[0] == runtime_version[0] and module_version[1] <= runtime_version[1]:
+        return None
+    return (
+        f"the gdn_jax extension was compiled against the XLA FFI API {module_version[0]}.{module_version[1]} "
+        f"but the installed jaxlib {_jaxlib_version()} has {runtime_version[0]}."
+        f"{runtime_version[1]}, so it cannot register the native kernels; they are off and impl='auto' "
+        "runs the reference. Rebuild the extension against this jaxlib: `make build` in a checkout, or "
+        "`pip install --no-build-isolation --force-reinstall .` with this jaxlib installed"
+    )
+
+
 try:
     from . import _gdn_ffi  # type: ignore[attr-defined]
 except ImportError as e:  # not built: only the reference implementation is usable
     _gdn_ffi = None
     _import_error: ImportError | None = e
+    _mismatch: str | None = None
 else:
     _import_error = None
+    # Checked before registering: a handler newer than the jaxlib makes XLA refuse it when the
+    # CPU backend starts, and then no CPU computation at all runs in the process.
+    _mismatch = ffi_api_mismatch(tuple(_gdn_ffi.ffi_api_version()), runtime_ffi_api_version())
+    if _mismatch:
+        _gdn_ffi, _import_error = None, ImportError(_mismatch)
+        warnings.warn(_mismatch, RuntimeWarning, stacklevel=2)
+if _gdn_ffi is not None:
     for _name, _capsule in _gdn_ffi.registrations().items():
         jax.ffi.register_ffi_target(TARGET_PREFIX + _name, _capsule, platform="cpu")
     _forced = os.environ.get("GDN_JAX_ISA", "").strip()
@@ -39,6 +90,8 @@ def native_available() -> bool:
 
 def require_native() -> None:
     if _gdn_ffi is None:
+        if _mismatch:
+            raise RuntimeError(f"gdn_jax native kernels are off: {_mismatch}; or pass impl='reference'.")
         raise RuntimeError(
             "gdn_jax native kernels are not built (the _gdn_ffi extension failed to import: "
             f"{_import_error}). Build with `make build` or `pip install .`, or pass impl='reference'."

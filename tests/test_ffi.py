@@ -128,6 +128,65 @@ def test_env_var_bad_isa_is_a_clear_error():
     assert "Available here" in r.stderr
 
 
+def test_ffi_api_versions_are_read_and_compatible_here():
+    from gdn_jax import _ffi
+
+    runtime = _ffi.runtime_ffi_api_version()
+    assert runtime is not None and all(isinstance(v, int) for v in runtime)
+    module = tuple(_ffi._gdn_ffi.ffi_api_version())
+    assert module[0] == runtime[0] and module[1] <= runtime[1]
+    assert _ffi.ffi_api_mismatch(module, runtime) is None
+
+
+@pytest.mark.parametrize("module, runtime, ok", [
+    ((0, 1), (0, 1), True), ((0, 1), (0, 4), True), ((0, 3), (0, 1), False), ((0, 2), (1, 0), False),
+    ((1, 0), (0, 4), False), ((0, 9), None, True)])
+def test_ffi_api_mismatch_rule(module, runtime, ok):
+    from gdn_jax import _ffi
+
+    msg = _ffi.ffi_api_mismatch(module, runtime)
+    assert (msg is None) == ok
+    if not ok:
+        assert f"compiled against the XLA FFI API {module[0]}.{module[1]}" in msg
+        assert f"has {runtime[0]}.{runtime[1]}" in msg and "--no-build-isolation" in msg
+
+
+def test_extension_newer_than_jaxlib_is_refused_cleanly(tmp_path):
+    """A module compiled against a newer FFI API than the jaxlib's (a wheel built with newer
+    headers, then jax downgraded): XLA would refuse its handlers when the CPU backend starts, and
+    then no CPU computation at all would run. gdn_jax does not register them: it warns, naming
+    both versions, impl='auto' runs the reference, impl='native' says why, and JAX works."""
+    api = tmp_path / "xla" / "ffi" / "api"
+    api.mkdir(parents=True)
+    (api / "c_api.h").write_text("#define XLA_FFI_API_MAJOR 0\n#define XLA_FFI_API_MINOR 0\n")
+    code = f"""
+import warnings, jax, jax.numpy as jnp, numpy as np
+jax.ffi.include_dir = lambda: {str(tmp_path)!r}   # a jaxlib of FFI API 0.0, older than any
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import gdn_jax
+msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+assert len(msgs) == 1 and "has 0.0, so it cannot register the native kernels" in msgs[0], msgs
+assert not gdn_jax.native_available()
+a = jnp.asarray(np.linspace(-3, 3, 32).reshape(4, 8), jnp.float32)
+kw = dict(A_log=jnp.full(8, 0.5), dt_bias=jnp.full(8, 0.1))
+got = gdn_jax.fused_gdn_gating(a, a, **kw)
+want = gdn_jax.reference.fused_gdn_gating(a, a, **kw)
+for x, y in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+try:
+    gdn_jax.fused_gdn_gating(a, a, impl="native", **kw)
+except RuntimeError as e:
+    assert "has 0.0" in str(e), e
+else:
+    raise AssertionError("impl='native' ran")
+print(float(jnp.sum(jnp.arange(10.0))))   # the CPU backend still runs
+"""
+    r = _run_py(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "45.0"
+
+
 def test_use_isa_covers_computations_still_queued_when_the_block_ends():
     """JAX dispatches asynchronously: a computation whose inputs are still being transferred
     is queued, and may run after the use_isa block has ended. It must still run on the

@@ -66,6 +66,9 @@ NB_MODULE(_gdn_ffi, m) {
     d["batch_status"] = capsule(gdn::GdnBatchStatus);
     return d;
   });
+  // The XLA FFI API version of the headers this module was compiled with: a jaxlib whose own
+  // version is older cannot register the handlers (gdn_jax/_ffi.py checks before registering).
+  m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); });
   m.def("available_isas", &gdn::available_isas, "ISAs compiled in and supported by this CPU, best first.");
   m.def("selected_isa", &gdn::selected_isa, "The ISA whose kernels the FFI targets run now.");
   m.def("cpu_features", &gdn::cpu_features);
