@@ -67,7 +67,7 @@ else:
     # CPU backend starts, and then no CPU computation at all runs in the process.
     _mismatch = ffi_api_mismatch(tuple(_gdn_ffi.ffi_api_version()), runtime_ffi_api_version())
     if _mismatch:
-        _gdn_ffi, _import_error = None, ImportError(_mismatch)
+        _gdn_ffi = None
         warnings.warn(_mismatch, RuntimeWarning, stacklevel=2)
 if _gdn_ffi is not None:
     for _name, _capsule in _gdn_ffi.registrations().items():

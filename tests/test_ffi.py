@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gdn_jax
-from gdn_jax import ops
+from gdn_jax import _ffi, ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,8 +129,6 @@ def test_env_var_bad_isa_is_a_clear_error():
 
 
 def test_ffi_api_versions_are_read_and_compatible_here():
-    from gdn_jax import _ffi
-
     runtime = _ffi.runtime_ffi_api_version()
     assert runtime is not None and all(isinstance(v, int) for v in runtime)
     module = tuple(_ffi._gdn_ffi.ffi_api_version())
@@ -142,8 +140,6 @@ def test_ffi_api_versions_are_read_and_compatible_here():
     ((0, 1), (0, 1), True), ((0, 1), (0, 4), True), ((0, 3), (0, 1), False), ((0, 2), (1, 0), False),
     ((1, 0), (0, 4), False), ((0, 9), None, True)])
 def test_ffi_api_mismatch_rule(module, runtime, ok):
-    from gdn_jax import _ffi
-
     msg = _ffi.ffi_api_mismatch(module, runtime)
     assert (msg is None) == ok
     if not ok:
@@ -213,8 +209,6 @@ def test_use_isa_covers_computations_still_queued_when_the_block_ends():
 
 
 def test_targets_registered_with_prefix():
-    from gdn_jax import _ffi
-
     names = set(_ffi._gdn_ffi.registrations())
     assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk", "copy_slots", "report",
                      "batch_status"}
