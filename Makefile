@@ -11,6 +11,10 @@ JOBS   ?= 2
 # What a fresh venv gets; e.g. JAX_REQ="jax==0.5.3 jaxlib==0.5.3" VENV=.venv-jax053 BUILD=build/jax053
 # tests the bottom of the supported range (README.md).
 JAX_REQ ?= "jax>=0.5.3,<0.12" "jaxlib>=0.5.3,<0.12"
+# Checkpoints are read with safetensors' NumPy API. The tests also need hypothesis and, to
+# build reference models, transformers with the CPU build of torch (2.13.0 is the CPU wheel
+# this machine kind serves; a plain "torch" would pull a CUDA build of several GB).
+TEST_REQ ?= "safetensors>=0.4" "hypothesis>=6.100" "transformers>=5.2,<6" "torch==2.13.0"
 
 .PHONY: demo test test-core build venv bench bench-quick clean
 
@@ -19,7 +23,7 @@ $(VENV)/.deps-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(JAX_REQ) "numpy>=1.26" \
-	    "nanobind>=2.4" "scikit-build-core>=0.10" "pytest>=8" ninja cmake
+	    "nanobind>=2.4" "scikit-build-core>=0.10" "pytest>=8" ninja cmake $(TEST_REQ)
 	@touch $@
 
 # In-tree build: the extension lands in gdn_jax/ so `import gdn_jax` works from the
