@@ -11,9 +11,9 @@ JOBS   ?= 2
 # What a fresh venv gets; e.g. JAX_REQ="jax==0.5.3 jaxlib==0.5.3" VENV=.venv-jax053 BUILD=build/jax053
 # tests the bottom of the supported range (README.md).
 JAX_REQ ?= "jax>=0.5.3,<0.12" "jaxlib>=0.5.3,<0.12"
-# Checkpoints are read with safetensors' NumPy API. The tests also need hypothesis and, to
-# build reference models, transformers with the CPU build of torch (2.13.0 is the CPU wheel
-# this machine kind serves; a plain "torch" would pull a CUDA build of several GB).
+# Test-only: hypothesis; safetensors (cross-checks our checkpoint reader); transformers with
+# the CPU build of torch to build reference models (2.13.0 is the CPU wheel this machine kind
+# serves; a plain "torch" would pull a CUDA build of several GB).
 TEST_REQ ?= "safetensors>=0.4" "hypothesis>=6.100" "transformers>=5.2,<6" "torch==2.13.0"
 
 .PHONY: demo test test-core build venv bench bench-quick clean
