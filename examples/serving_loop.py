@@ -1,21 +1,28 @@
-"""Continuous batching over a small stack of Gated DeltaNet layers (the `make demo` job).
+"""Continuous batching over a small Qwen3-Next-shaped model loaded from a checkpoint (`make demo`).
 
-A scaled-down Qwen3-Next-like model with random weights: every layer is a GDN block
-(RMSNorm -> in_proj -> GDN attention core -> gated RMSNorm -> out_proj, residual). Requests
-arrive, are prefilled in chunks, then decode one token per step (plain rows) or verify
-drafts (speculative rows, with a toy acceptance rule), and finish; their cache slots are
-reused. Every step is ONE call of the mixed step per layer (prefill, decode and spec rows
-together), compiled once for the (tokens, rows) bucket.
+The GDN layers come from a Hugging Face checkpoint directory, read by the same loader a user
+points at a downloaded model (gdn_jax.checkpoint). Without ``--checkpoint`` the demo writes a
+tiny random Qwen3-Next checkpoint on first run (no network) and loads that. Each GDN layer is
+a residual block ``h + GatedDeltaNetLayer(rms_norm(h))`` (in_proj -> conv + gating +
+recurrence -> gated RMSNorm -> out_proj); the token embedding and the logits head are the
+demo's own (the checkpoint's full-attention layers, MLPs and embeddings are not gdn_jax's).
+
+Requests arrive, are prefilled in chunks, then decode one token per step (plain rows) or
+verify drafts (speculative rows, with a toy acceptance rule), and finish; their cache slots
+are reused. Every step is ONE jitted call over the whole stack (prefill, decode and spec rows
+together, every layer's cache donated), compiled once for the (tokens, rows) bucket.
 
 The native kernels and the pure-jnp reference run in lockstep on the same inputs: the
 closing table gives tokens/s for each, and the run fails (exit 1) if they disagree.
 
-    PYTHONPATH=. python examples/serving_loop.py            # the demo
-    PYTHONPATH=. python examples/serving_loop.py --quick    # a few seconds of compute
+    PYTHONPATH=. python examples/serving_loop.py                       # the demo
+    PYTHONPATH=. python examples/serving_loop.py --checkpoint DIR      # a model on disk
+    PYTHONPATH=. python examples/serving_loop.py --quick               # a few seconds of compute
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -24,30 +31,31 @@ import jax.numpy as jnp
 import numpy as np
 
 import gdn_jax
+from gdn_jax import checkpoint as ckpt
 from gdn_jax.batch import BatchBuilder, Request
-from gdn_jax.config import GDNCache, GDNConfig, GDNParams
-from gdn_jax.paths import GDNAttention, check_status
+from gdn_jax.config import GDNCache, GDNConfig
+from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams
+from gdn_jax.paths import check_status
 
 VOCAB = 512
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# --- the model around the attention core -----------------------------------------------------
+# --- the checkpoint and the model around the GDN layers --------------------------------------
 
 
-def init_model(cfg: GDNConfig, hidden: int, layers: int, key):
-    keys = jax.random.split(key, layers + 1)
-    emb = jax.random.normal(keys[0], (VOCAB, hidden), jnp.float32)
-    out = []
-    for k in keys[1:]:
-        k1, k2, k3, k4 = jax.random.split(k, 4)
-        nz = cfg.HV * cfg.V
-        out.append(dict(
-            gdn=GDNParams.random(cfg, k1),
-            w_qkvz=(jax.random.normal(k2, (hidden, cfg.D + nz)) / np.sqrt(hidden)).astype(cfg.act_dtype),
-            w_ba=(jax.random.normal(k3, (hidden, 2 * cfg.HV)) / np.sqrt(hidden)).astype(cfg.act_dtype),
-            w_out=(jax.random.normal(k4, (nz, hidden)) / np.sqrt(nz)).astype(cfg.act_dtype),
-        ))
-    return emb, out
+def write_demo_checkpoint(path: str, quick: bool, seed: int) -> None:
+    """A tiny random Qwen3-Next checkpoint: 3 GDN layers and one full-attention layer (bf16)."""
+    if quick:
+        core = GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32)
+        hidden = 64
+    else:   # Qwen3-Next's proportions (HV = 2H, K = V), scaled down
+        core = GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64)
+        hidden = 256
+    cfg = GDNLayerConfig(hidden_size=hidden, core=core, model_type="qwen3_next")
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    layers = {i: GDNLayerParams.random(cfg, k) for i, k in enumerate(keys)}
+    ckpt.save_checkpoint(path, cfg, layers, num_hidden_layers=4)
 
 
 def _rms(x, eps=1e-6):
@@ -55,46 +63,34 @@ def _rms(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def make_blocks(cfg: GDNConfig):
-    """Jitted projections before and after the attention core of one layer."""
-    D, HV, V = cfg.D, cfg.HV, cfg.V
-
-    @jax.jit
-    def pre(h, lp):
-        x = _rms(h).astype(cfg.act_dtype)
-        qkvz = x @ lp["w_qkvz"]
-        ba = x @ lp["w_ba"]
-        return qkvz[:, :D], qkvz[:, D:], ba[:, :HV], ba[:, HV:]     # mixed_qkv, z, b, a
-
-    @jax.jit
-    def post(h, core, z, lp):
-        T = core.shape[0]
-        g = _rms(core) * jax.nn.silu(z.reshape(T, HV, V).astype(jnp.float32))   # gated RMSNorm per head
-        return h + (g.reshape(T, HV * V).astype(cfg.act_dtype) @ lp["w_out"]).astype(jnp.float32)
-
-    return pre, post
-
-
 class Model:
-    def __init__(self, cfg, emb, layers, impl, num_slots):
+    """Embedding -> GDN blocks (residual) -> logits; one jitted call per step, caches donated."""
+
+    def __init__(self, cfg: GDNLayerConfig, emb, layers: list, impl: str, num_slots: int):
         self.cfg, self.emb, self.layers = cfg, emb, layers
-        self.attn = GDNAttention(cfg, impl)
-        self.caches = [GDNCache.create(cfg, num_slots) for _ in layers]
-        self.pre, self.post = make_blocks(cfg)
+        self.gdn = GatedDeltaNetLayer(cfg, impl)
+        self.caches = [GDNCache.create(cfg.core, num_slots) for _ in layers]
+        self._step = jax.jit(self._stack, donate_argnames="caches")
+
+    def _stack(self, tokens, layers, caches, batch):
+        h = self.emb[tokens]
+        new, statuses = [], []
+        for lp, cache in zip(layers, caches):
+            out, cache, st = self.gdn.apply("mixed", _rms(h).astype(self.cfg.act_dtype), lp, cache, batch)
+            h = h + out.astype(jnp.float32)
+            new.append(cache)
+            statuses.append(st)
+        return _rms(h) @ self.emb.T, new, jnp.stack(statuses)
 
     def step(self, tokens, batch):
         """tokens [T] int32 -> logits [T, VOCAB] f32; every layer's cache updated in place."""
-        h = self.emb[tokens]
-        statuses = []
-        for i, lp in enumerate(self.layers):
-            mixed, z, b, a = self.pre(h, lp)
-            core, self.caches[i], st = self.attn.gdn_attention_core_with_status(
-                mixed, b, a, lp["gdn"], self.caches[i], batch)
-            statuses.append(st)
-            h = self.post(h, core, z, lp)
-        for i, st in enumerate(statuses):   # checked once per step, after dispatching all layers
+        logits, self.caches, statuses = self._step(tokens, self.layers, self.caches, batch)
+        for i, st in enumerate(np.asarray(statuses)):   # a refused batch changed no layer's cache
             check_status(f"layer {i}", st, caches=self.caches[i])
-        return _rms(h) @ self.emb.T
+        return logits
+
+    def compiled_count(self) -> int:
+        return self._step._cache_size()
 
 
 # --- the serving loop ------------------------------------------------------------------------
@@ -112,7 +108,11 @@ class Live:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--checkpoint", default=None,
+                    help="Hugging Face checkpoint directory (Qwen3-Next / Qwen3.5); default: a tiny random one, "
+                         "written on first run under build/")
+    ap.add_argument("--layers", type=int, default=None, help="serve only the first N GDN layers")
+    ap.add_argument("--num-spec", type=int, default=2, help="draft tokens per speculative step")
     ap.add_argument("--tokens", type=int, default=64, help="token bucket T")
     ap.add_argument("--rows", type=int, default=8, help="row bucket S")
     ap.add_argument("--slots", type=int, default=32, help="cache slots per layer")
@@ -122,28 +122,33 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=2e-2, help="max relative RMSE between the impls' logits")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.layers = min(args.steps, 12), min(args.layers, 2)
+        args.steps = min(args.steps, 12)
         args.tokens, args.rows, args.slots = 32, 4, 16
-        cfg = GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32, num_spec=2)
-        hidden = 64
-    else:   # Qwen3-Next per layer: H=16, HV=32, K=V=128, W=4, bf16 activations, f32 state
-        cfg = GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, num_spec=2)
-        hidden = 256
+    path = args.checkpoint
+    if path is None:
+        path = os.path.join(ROOT, "build", "demo_checkpoint" + ("_quick" if args.quick else ""))
+        if not os.path.exists(os.path.join(path, "config.json")):
+            print(f"writing a tiny random Qwen3-Next checkpoint to {path}")
+            write_demo_checkpoint(path, args.quick, args.seed)
+    cfg = ckpt.load_layer_config(path, num_spec=args.num_spec)
+    indices = ckpt.gdn_layer_indices(path)[:args.layers]
+    layers = list(ckpt.load_layers(path, cfg, indices, progress=len(indices) > 4).values())
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     if "native" in impls and not gdn_jax.native_available():
         print("native extension not built: running the reference only (make build)")
         impls = [i for i in impls if i != "native"] or ["reference"]
     isa = gdn_jax.selected_isa() if "native" in impls else "-"
-    print(f"GDN serving loop: {args.layers} layers, H={cfg.H} HV={cfg.HV} K={cfg.K} V={cfg.V} D={cfg.D} "
-          f"num_spec={cfg.num_spec}, bucket T={args.tokens} S={args.rows}, {args.slots} slots; impls {impls} "
+    print(f"GDN serving loop: {len(layers)} GDN layers {indices} of {path} ({cfg.model_type}, hidden "
+          f"{cfg.hidden_size}, H={cfg.H} HV={cfg.HV} K={cfg.K} V={cfg.V}, {cfg.act_dtype.name}), "
+          f"num_spec={cfg.core.num_spec}, bucket T={args.tokens} S={args.rows}, {args.slots} slots; impls {impls} "
           f"(native ISA: {isa})")
 
-    emb, layers = init_model(cfg, hidden, args.layers, jax.random.PRNGKey(args.seed))
+    emb = jax.random.normal(jax.random.PRNGKey(args.seed + 1), (VOCAB, cfg.hidden_size), jnp.float32)
     models = {impl: Model(cfg, emb, layers, impl, args.slots) for impl in impls}
-    builder = BatchBuilder(num_slots=args.slots, num_spec=cfg.num_spec, token_bucket=args.tokens,
+    builder = BatchBuilder(num_slots=args.slots, num_spec=cfg.core.num_spec, token_bucket=args.tokens,
                            row_bucket=args.rows)
     rng = np.random.default_rng(args.seed)
-    C = cfg.spec_cols
+    C = cfg.core.spec_cols
     free = list(range(args.slots))
     live, next_id, finished = [], 0, 0
     times = {impl: 0.0 for impl in impls}
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
                 reqs.append(Request.prefill(r.slots[0], n, has_initial_state=r.done > 0, id=r.id))
                 feed.append(r.prompt[r.done:r.done + n])
             elif r.spec:
-                q = min(1 + int(rng.integers(0, cfg.num_spec + 1)), budget)   # 1 + drafts
+                q = min(1 + int(rng.integers(0, cfg.core.num_spec + 1)), budget)   # 1 + drafts
                 drafts = rng.integers(0, VOCAB, q - 1)                        # a toy drafter
                 reqs.append(Request.spec(r.slots, q, num_accepted=r.acc, id=r.id))
                 feed.append(np.concatenate([[r.next], drafts]))
@@ -233,7 +238,7 @@ def main(argv=None) -> int:
     if tty:
         print()
 
-    counts = {impl: m.attn.compiled_count()["gdn_attention_core"] for impl, m in models.items()}
+    counts = {impl: m.compiled_count() for impl, m in models.items()}
     print(f"\nrows served: {kinds}; requests finished: {finished}; one executable per impl: {counts}")
     print(f"{'impl':<10} {'compile s':>10} {'steps s':>9} {'tokens':>7} {'tokens/s':>10}")
     for impl in impls:

@@ -1,0 +1,201 @@
+"""gdn_jax.layer: the whole GDN layer over hidden states.
+
+Numbers: the layer against a float64 composition (NumPy projections and gated norm around
+the float64 core oracle of serve_helpers), native and reference, through prefill, decode
+and spec rows in one mixed batch; the gated norm against transformers' own module.
+Structure: one executable for every mix, caches updated in place, a refused batch writes
+nothing, static mistakes name the argument. (tests/test_layer_hf.py compares with
+transformers' whole layer from checkpoints it wrote.)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import f64_math as F
+from gdn_jax import GDNCache, GDNConfig, InvalidBatchError, Request, build_batch
+from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams, gated_rms_norm
+from serve_helpers import IMPLS, cache_bits, impl_context, oracle_step, to_np64
+
+HIDDEN = 48
+
+
+def make_cfg(act=jnp.float32, num_spec=2, H=2, HV=4):
+    return GDNLayerConfig(hidden_size=HIDDEN, core=GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=16,
+                                                             head_v_dim=32, num_spec=num_spec, act_dtype=act))
+
+
+def norm_f64(o, z, w, eps):
+    n = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps)
+    return n * w * z / (1 + np.exp(-z))
+
+
+def layer_oracle(cfg, params, cache_np, hb, hidden):
+    """Float64 layer step: NumPy in_proj -> serve_helpers.oracle_step (core) -> norm -> out_proj."""
+    p = jax.tree_util.tree_map(to_np64, params)
+    h = to_np64(hidden)
+    T = h.shape[0]
+    mixed, z, b, a = h @ p.in_proj_qkv.T, h @ p.in_proj_z.T, h @ p.in_proj_b.T, h @ p.in_proj_a.T
+    o, conv, ssm = oracle_step(cfg.core, params.core, *cache_np, hb.requests, hb.token_slices, mixed, b, a)
+    y = norm_f64(o, z.reshape(T, cfg.HV, cfg.V), p.norm_weight, cfg.rms_norm_eps).reshape(T, cfg.Z)
+    out = y @ p.out_proj.T
+    out[hb.num_tokens:] = 0
+    return out, conv, ssm
+
+
+def test_gated_rms_norm_f32_matches_f64():
+    rng = np.random.default_rng(0)
+    o, z = rng.standard_normal((2, 7, 3, 32)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(32)).astype(np.float32)
+    got = gated_rms_norm(jnp.asarray(o), jnp.asarray(z), jnp.asarray(w), 1e-6)
+    assert F.rel_rmse(to_np64(got), norm_f64(o.astype(np.float64), z.astype(np.float64), w.astype(np.float64),
+                                            1e-6)) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_rms_norm_matches_transformers(dtype):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    rng = np.random.default_rng(1)
+    # heads at several scales, one small enough for eps to matter
+    scale = np.array([1e-3, 0.1, 1.0, 3.0], np.float32)[None, :, None]
+    o, z = (rng.standard_normal((2, 16, 4, 32)) * scale).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(32)).astype(np.float32)
+    tdt = getattr(torch, dtype)
+    mod = Qwen3NextRMSNormGated(32, eps=1e-6).to(tdt)
+    with torch.no_grad():
+        mod.weight.copy_(torch.from_numpy(w))
+        want = mod(torch.from_numpy(o).to(tdt), torch.from_numpy(z).to(tdt)).float().numpy()
+    jdt = jnp.dtype(dtype)
+    got = np.asarray(gated_rms_norm(jnp.asarray(o, jdt), jnp.asarray(z, jdt), jnp.asarray(w, jdt), 1e-6), np.float32)
+    if dtype == "float32":
+        assert F.rel_rmse(got.astype(np.float64), want.astype(np.float64)) <= 1e-6
+    else:   # the same casts in the same places: equal but for a rare one-ulp rsqrt difference
+        assert np.mean(got != want) <= 0.01
+        assert F.rel_rmse(got.astype(np.float64), want.astype(np.float64)) <= 1e-3
+
+
+def _mixed_requests():
+    return [Request.prefill(0, 9), Request.decode(4), Request.prefill(6, 5, has_initial_state=True),
+            Request.spec((8, 9, 10), 3, num_accepted=2)]
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS)
+@pytest.mark.parametrize("act", ["float32", "bfloat16"])
+def test_layer_step_matches_f64(impl_isa, act):
+    cfg = make_cfg(jnp.dtype(act))
+    rng = np.random.default_rng(2)
+    params = GDNLayerParams.random(cfg, jax.random.key(3))
+    N = 12
+    conv0 = (0.5 * rng.standard_normal(cfg.core.conv_state_shape(N))).astype(np.float32)
+    ssm0 = (0.1 * rng.standard_normal(cfg.core.ssm_state_shape(N))).astype(np.float32)
+    cache = GDNCache(conv_state=jnp.asarray(conv0, cfg.act_dtype), ssm_state=jnp.asarray(ssm0))
+    start = (to_np64(cache.conv_state), to_np64(cache.ssm_state))
+    hb = build_batch(_mixed_requests(), num_slots=N, num_spec=2, token_bucket=24, row_bucket=6)
+    hidden = jnp.asarray(rng.standard_normal((24, HIDDEN)), cfg.act_dtype)
+    want, conv, ssm = layer_oracle(cfg, params, start, hb, hidden)
+    with impl_context(impl_isa) as impl:
+        out, cache = GatedDeltaNetLayer(cfg, impl).mixed(hidden, params, cache, hb)
+    tol = 1e-5 if act == "float32" else 8e-3   # bf16: projections, conv, core, norm and out_proj round
+    assert F.rel_rmse(to_np64(out), want) <= tol
+    assert not np.any(np.asarray(out, np.float32)[hb.num_tokens:])
+    touched = [0, 4, 6, 8, 9, 10]
+    assert F.rel_rmse(to_np64(cache.ssm_state)[touched], ssm[touched]) <= (1e-5 if act == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS[:2])
+def test_refused_batch_keeps_every_slot(impl_isa):
+    cfg = make_cfg()
+    params = GDNLayerParams.random(cfg, jax.random.key(4))
+    with impl_context(impl_isa) as impl:
+        layer = GatedDeltaNetLayer(cfg, impl)
+        cache = GDNCache.create(cfg.core, 8)
+        hb = build_batch([Request.prefill(1, 6)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        h = jnp.ones((8, HIDDEN), jnp.float32)
+        _, cache = layer.prefill(h, params, cache, hb)
+        before = cache_bits(cache)
+        bad = dataclasses.replace(hb.metadata, state_indices=np.array([[9, -1, -1], [-1, -1, -1]], np.int32))   # 9 >= N
+        with pytest.raises(InvalidBatchError, match="slot") as e:
+            layer.prefill(h, params, cache, bad)
+        after = cache_bits(e.value.caches)
+        np.testing.assert_array_equal(before[0], after[0])
+        np.testing.assert_array_equal(before[1], after[1])
+        out, _ = layer.prefill(h, params, e.value.caches, hb)   # the returned cache serves on
+        assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_static_mistakes_name_the_argument():
+    cfg = make_cfg()
+    layer = GatedDeltaNetLayer(cfg, "reference")
+    params = GDNLayerParams.random(cfg, jax.random.key(5))
+    cache = GDNCache.create(cfg.core, 4)
+    hb = build_batch([Request.decode(0)], num_slots=4, num_spec=2, token_bucket=4, row_bucket=2)
+    with pytest.raises(ValueError, match="hidden must be"):
+        layer.decode(jnp.zeros((4, HIDDEN + 1)), params, cache, hb)
+    with pytest.raises(TypeError, match="hidden must have dtype float32"):
+        layer.decode(jnp.zeros((4, HIDDEN), jnp.bfloat16), params, cache, hb)
+    bad = dataclasses.replace(params, in_proj_z=params.in_proj_z[:-1])
+    with pytest.raises(ValueError, match=r"GDNLayerParams.in_proj_z must have shape \(128, 48\)"):
+        layer.decode(jnp.zeros((4, HIDDEN)), bad, cache, hb)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        layer.apply("verify", jnp.zeros((4, HIDDEN)), params, cache, hb)
+    with pytest.raises(ValueError, match="tp=3 does not divide the key heads H=2"):
+        cfg.local(3)
+    local = cfg.local(2)
+    assert (local.H, local.HV, local.hidden_size) == (1, 2, HIDDEN)
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS[:2])
+def test_one_executable_for_every_mix_and_pools_in_place(impl_isa):
+    cfg = make_cfg()
+    params = GDNLayerParams.random(cfg, jax.random.key(6))
+    mixes = [[Request.prefill(0, 7)], [Request.decode(0), Request.prefill(2, 3)],
+             [Request.spec((3, 4, 5), 2), Request.decode(0)], [Request.decode(0)],
+             [Request.spec((3, 4, 5), 3, num_accepted=2), Request.prefill(6, 9, has_initial_state=True)]]
+    with impl_context(impl_isa) as impl:
+        layer = GatedDeltaNetLayer(cfg, impl)
+        cache = GDNCache.create(cfg.core, 8)
+        rng = np.random.default_rng(7)
+        for reqs in mixes:
+            hb = build_batch(reqs, num_slots=8, num_spec=2, token_bucket=16, row_bucket=4)
+            ptrs = (cache.conv_state.unsafe_buffer_pointer(), cache.ssm_state.unsafe_buffer_pointer())
+            out, cache = layer(jnp.asarray(rng.standard_normal((16, HIDDEN)), jnp.float32), params, cache,
+                               hb.metadata.to_device())
+            if impl == "native":
+                assert (cache.conv_state.unsafe_buffer_pointer(), cache.ssm_state.unsafe_buffer_pointer()) == ptrs
+        assert layer.compiled_count()["mixed"] == 1
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS[:2])
+def test_spec_then_commit_then_decode(impl_isa):
+    """A spec row, commit_accepted, then plain decode equals decoding the accepted tokens."""
+    cfg = make_cfg()
+    params = GDNLayerParams.random(cfg, jax.random.key(8))
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((8, HIDDEN)), jnp.float32)
+    with impl_context(impl_isa) as impl:
+        layer = GatedDeltaNetLayer(cfg, impl)
+        a = GDNCache.create(cfg.core, 8)
+        b = GDNCache.create(cfg.core, 8)
+        pre = build_batch([Request.prefill(0, 4)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        h = jnp.zeros((8, HIDDEN), jnp.float32).at[:4].set(x[:4])
+        _, a = layer.prefill(h, params, a, pre)
+        _, b = layer.prefill(h, params, b, pre)
+        spec = build_batch([Request.spec((0, 1, 2), 3)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        _, a = layer.spec_decode(jnp.zeros((8, HIDDEN)).at[:3].set(x[4:7]), params, a, spec)
+        a = layer.commit_accepted(a, np.array([[0, 1, 2], [-1, -1, -1]], np.int32), np.array([2, 1], np.int32))
+        for t in (4, 5):   # the two accepted tokens, decoded one by one
+            dec = build_batch([Request.decode(0)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+            _, b = layer.decode(jnp.zeros((8, HIDDEN)).at[:1].set(x[t:t + 1]), params, b, dec)
+        dec = build_batch([Request.decode(0)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        nxt = jnp.zeros((8, HIDDEN)).at[:1].set(x[7:8])
+        oa, a = layer.decode(nxt, params, a, dec)
+        ob, b = layer.decode(nxt, params, b, dec)
+    assert F.rel_rmse(to_np64(oa[:1]), to_np64(ob[:1])) <= 1e-5
+    assert F.rel_rmse(to_np64(a.ssm_state[0]), to_np64(b.ssm_state[0])) <= 1e-5
