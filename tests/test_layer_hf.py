@@ -44,68 +44,97 @@ SLOTS = {"A": 5, "B": 0, "C": 2}
 NUM_SLOTS = 6
 
 
+def _chunks(s, x):
+    """Sequence s's inputs split by PLAN's steps."""
+    bounds = np.cumsum([0] + PLAN[s])
+    return [x[bounds[i]:bounds[i + 1]] for i in range(len(PLAN[s]))]
+
+
+def _hf_run(model, inputs):
+    """transformers, one sequence at a time: ({s: [outputs per step]}, {s: (conv, ssm)})."""
+    outs, states = {}, {}
+    for s in PLAN:
+        r = hf.HFLayerRunner(model, LAYER)
+        outs[s] = [r(x) for x in _chunks(s, inputs[s])]
+        states[s] = (r.conv_state(), r.ssm_state())
+    return outs, states
+
+
 @pytest.fixture(scope="module", params=sorted(SPECS))
-def checkpoint(request, tmp_path_factory):
+def case(request, tmp_path_factory):
+    """Checkpoints written by transformers (f32 and bf16) and transformers' results on them.
+
+    f32: the model's own run. bf16: the bf16 model's run, and the truth: the same bf16
+    weight values run in f32.
+    """
+    import torch
+
     spec = SPECS[request.param]
+    rng = np.random.default_rng(7)
     model = hf.build_model(spec, seed=len(request.param))
-    path = hf.save(model, tmp_path_factory.mktemp(f"hf_{spec.model_type}"), spec)
-    return spec, model, path
+    f32 = dict(path=hf.save(model, tmp_path_factory.mktemp("hf_f32"), spec),
+               inputs={s: rng.standard_normal((sum(c), spec.hidden)).astype(np.float32) for s, c in PLAN.items()})
+    f32["outs"], f32["states"] = _hf_run(model, f32["inputs"])
+    bf = hf.build_model(spec, seed=11).to(torch.bfloat16)
+    # inputs that are exact bf16 values, so every side starts from the same numbers
+    bf16 = dict(path=hf.save(bf, tmp_path_factory.mktemp("hf_bf16"), spec),
+                inputs={s: np.asarray(jnp.asarray(rng.standard_normal((sum(c), spec.hidden)), jnp.bfloat16),
+                                      np.float32) for s, c in PLAN.items()})
+    bf16["outs"], bf16["states"] = _hf_run(bf, bf16["inputs"])
+    bf16["truth"], bf16["truth_states"] = _hf_run(bf.float(), bf16["inputs"])
+    return spec, f32, bf16
 
 
-def _run_plan(layer, params, cfg, runner_for, inputs):
-    """Run PLAN through our layer (mixed batches) and transformers (per sequence)."""
+def _run_ours(layer, params, cfg, inputs):
+    """PLAN through our layer, the sequences together in mixed batches: ({s: [outputs]}, cache)."""
     cache = GDNCache.create(cfg.core, NUM_SLOTS)
     ours = {s: [] for s in PLAN}
-    theirs = {s: [] for s in PLAN}
-    pos = {s: 0 for s in PLAN}
+    chunks = {s: _chunks(s, inputs[s]) for s in PLAN}
     for step in range(len(PLAN["A"])):
-        reqs, xs, names = [], [], []
-        for s, counts in PLAN.items():
-            n = counts[step]
-            x = inputs[s][pos[s]:pos[s] + n]
+        reqs, xs = [], []
+        for s in PLAN:
+            n = PLAN[s][step]
             if step == 0:
                 reqs.append(Request.prefill(SLOTS[s], n, id=s))
             elif n == 1:
                 reqs.append(Request.decode(SLOTS[s], id=s))
             else:
                 reqs.append(Request.prefill(SLOTS[s], n, has_initial_state=True, id=s))
-            xs.append(x)
-            names.append(s)
-            theirs[s].append(runner_for[s](x))
-            pos[s] += n
+            xs.append(chunks[s][step])
         batch = build_batch(reqs, num_slots=NUM_SLOTS, token_bucket=32, row_bucket=4)
         h = jnp.asarray(batch.pack(xs, dtype=np.float32), cfg.act_dtype)
         run = layer.decode if all(r.kind == "decode" for r in reqs) else layer.mixed
         out, cache = run(h, params, cache, batch)
         assert not np.any(np.asarray(out, np.float32)[batch.num_tokens:]), "bucket padding tokens must be zero"
-        for s, o in zip(names, batch.unpack(np.asarray(out, np.float32))):
+        for s, o in zip(PLAN, batch.unpack(np.asarray(out, np.float32))):
             ours[s].append(o)
-    return ours, theirs, cache
+    return ours, cache
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_layer_matches_transformers_f32(checkpoint, impl):
-    spec, model, path = checkpoint
-    cfg = load_layer_config(path)
+def test_layer_matches_transformers_f32(case, impl):
+    spec, f32, _ = case
+    cfg = load_layer_config(f32["path"])
     assert cfg.act_dtype == np.dtype(np.float32)
     assert cfg.model_type == ("qwen3_next" if spec.model_type == "qwen3_next" else "qwen3_5")
-    params = load_layer_params(path, LAYER, cfg)
-    layer = GatedDeltaNetLayer(cfg, impl=impl)
-    rng = np.random.default_rng(7)
-    inputs = {s: rng.standard_normal((sum(c), spec.hidden)).astype(np.float32) for s, c in PLAN.items()}
-    runners = {s: hf.HFLayerRunner(model, LAYER) for s in PLAN}
-    ours, theirs, cache = _run_plan(layer, params, cfg, runners, inputs)
+    params = load_layer_params(f32["path"], LAYER, cfg)
+    ours, cache = _run_ours(GatedDeltaNetLayer(cfg, impl=impl), params, cfg, f32["inputs"])
     for s in PLAN:
-        for step, (o, t) in enumerate(zip(ours[s], theirs[s])):
+        for step, (o, t) in enumerate(zip(ours[s], f32["outs"][s])):
             assert rrmse(o, t) <= 1e-5, (s, step, rrmse(o, t))
-        slot = SLOTS[s]
-        assert rrmse(np.asarray(cache.ssm_state[slot]), runners[s].ssm_state()) <= 1e-5, s
+        conv, ssm = f32["states"][s]
+        assert rrmse(np.asarray(cache.ssm_state[SLOTS[s]]), ssm) <= 1e-5, s
         # raw in_proj outputs: equal up to the two libraries' f32 matmul summation orders
-        assert rrmse(np.asarray(cache.conv_state[slot]), runners[s].conv_state()) <= 1e-6, s
+        assert rrmse(np.asarray(cache.conv_state[SLOTS[s]]), conv) <= 1e-6, s
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_layer_matches_transformers_bf16(checkpoint, impl, tmp_path):
+# The reference's bf16 numbers are held to float64 by the core tests; here it runs in the slow set.
+BF16_IMPLS = [pytest.param(i, marks=[pytest.mark.slow] if i == "reference" and len(IMPLS) > 1 else [])
+              for i in IMPLS]
+
+
+@pytest.mark.parametrize("impl", BF16_IMPLS)
+def test_layer_matches_transformers_bf16(case, impl):
     """bf16 weights and activations, against transformers run in f32 on the same bf16 weights
     and inputs (the truth), over every token of the plan.
 
@@ -118,30 +147,16 @@ def test_layer_matches_transformers_bf16(checkpoint, impl, tmp_path):
     Per-token errors are not compared: a token whose q and k are nearly orthogonal turns
     one-ulp differences of the conv output into large relative changes, either way.
     """
-    import torch
-
-    spec, _, _ = checkpoint
-    bf = hf.build_model(spec, seed=11).to(torch.bfloat16)
-    path = hf.save(bf, tmp_path / "bf16", spec)
-    cfg = load_layer_config(path)
+    _, _, bf16 = case
+    cfg = load_layer_config(bf16["path"])
     assert cfg.act_dtype == np.dtype(jnp.bfloat16)
-    params = load_layer_params(path, LAYER, cfg)
+    params = load_layer_params(bf16["path"], LAYER, cfg)
     assert params.in_proj_qkv.dtype == jnp.bfloat16, "bf16 weights stay bf16"
-    truth_model = hf.build_model(spec, seed=11).to(torch.bfloat16).float()   # the same bf16 values, run in f32
-    layer = GatedDeltaNetLayer(cfg, impl=impl)
-    rng = np.random.default_rng(8)
-    # inputs that are exact bf16 values, so every side starts from the same numbers
-    inputs = {s: np.asarray(jnp.asarray(rng.standard_normal((sum(c), spec.hidden)), jnp.bfloat16), np.float32)
-              for s, c in PLAN.items()}
-    hf_runners = {s: hf.HFLayerRunner(bf, LAYER) for s in PLAN}
-    ours, hf_bf16, cache = _run_plan(layer, params, cfg, hf_runners, inputs)
-    truth_runners = {s: hf.HFLayerRunner(truth_model, LAYER) for s in PLAN}
-    truth = {s: [truth_runners[s](inputs[s][sum(PLAN[s][:i]):sum(PLAN[s][:i + 1])]) for i in range(len(PLAN[s]))]
-             for s in PLAN}
+    ours, cache = _run_ours(GatedDeltaNetLayer(cfg, impl=impl), params, cfg, bf16["inputs"])
     cat = lambda d: np.concatenate([x for s in PLAN for x in d[s]])  # noqa: E731
-    ours_err, their_err = rrmse(cat(ours), cat(truth)), rrmse(cat(hf_bf16), cat(truth))
+    ours_err, their_err = rrmse(cat(ours), cat(bf16["truth"])), rrmse(cat(bf16["outs"]), cat(bf16["truth"]))
     assert ours_err <= min(1.5 * their_err, 1.2e-2), (ours_err, their_err)
     for s in PLAN:
-        t = truth_runners[s].ssm_state()
-        ours_s, their_s = rrmse(np.asarray(cache.ssm_state[SLOTS[s]]), t), rrmse(hf_runners[s].ssm_state(), t)
+        t = bf16["truth_states"][s][1]
+        ours_s, their_s = rrmse(np.asarray(cache.ssm_state[SLOTS[s]]), t), rrmse(bf16["states"][s][1], t)
         assert ours_s <= min(1.5 * their_s, 1e-2), (s, ours_s, their_s)
