@@ -38,8 +38,27 @@ def test_every_example_is_tested():
 @native
 def test_serving_loop_native_vs_reference():
     out = _run("serving_loop.py", "--quick")
+    assert "GDN layers [0, 1, 2] of" in out and "(qwen3_next," in out
     assert "agreement native vs reference" in out and ": OK" in out
     assert "tokens/s" in out and "one executable per impl: {'native': 1, 'reference': 1}" in out
+
+
+def test_serving_loop_from_a_given_checkpoint(tmp_path):
+    """--checkpoint DIR: a Qwen3.5 (multimodal layout) checkpoint on disk, one impl."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdn_jax import GDNConfig
+    from gdn_jax.checkpoint import save_checkpoint
+    from gdn_jax.layer import GDNLayerConfig, GDNLayerParams
+
+    cfg = GDNLayerConfig(hidden_size=64, model_type="qwen3_5",
+                         core=GDNConfig(num_k_heads=1, num_v_heads=3, head_k_dim=32, head_v_dim=16,
+                                        act_dtype=jnp.bfloat16))
+    save_checkpoint(tmp_path, cfg, {1: GDNLayerParams.random(cfg, jax.random.key(0))}, num_hidden_layers=2)
+    impl = "native" if NATIVE_READY else "reference"
+    out = _run("serving_loop.py", "--quick", "--checkpoint", str(tmp_path), "--impls", impl)
+    assert f"GDN layers [1] of {tmp_path} (qwen3_5," in out and f"one executable per impl: {{'{impl}': 1}}" in out
 
 
 @pytest.mark.parametrize("impl", IMPL_ARGS)
