@@ -1,6 +1,8 @@
 """gdn_jax: Gated DeltaNet (GDN) attention for JAX on CPU.
 
-Native XLA FFI kernels (AVX512-BF16, AVX-512, portable C++; AMX and NEON back ends) chosen at
+The whole GDN layer of Qwen3-Next and Qwen3.5 (:class:`GatedDeltaNetLayer`, loaded from
+Hugging Face checkpoints by :mod:`gdn_jax.checkpoint`) around an attention core of native XLA
+FFI kernels (AVX512-BF16, AVX-512, portable C++; AMX and NEON back ends) chosen at
 run time from the CPU's features, and a pure-jnp reference of every op with the same
 signatures. See README.md for the contract (shapes, layouts, numerics).
 """
@@ -20,10 +22,23 @@ from .ops import (
 )
 
 from .paths import GDNAttention, commit_accepted, decode, gdn_attention_core, prefill, spec_decode
+from .layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams
+from . import checkpoint, layer
+from .checkpoint import CheckpointError, gdn_layer_indices, load_layer_config, load_layer_params, load_layers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "GatedDeltaNetLayer",
+    "GDNLayerConfig",
+    "GDNLayerParams",
+    "checkpoint",
+    "gdn_layer_indices",
+    "layer",
+    "load_layer_config",
+    "load_layer_params",
+    "load_layers",
     "BatchBuilder",
     "BatchMetadata",
     "GDNAttention",
