@@ -1,0 +1,159 @@
+"""Where the time of a whole GDN layer step goes: projections, core, gated norm.
+
+For Qwen3-Next-80B and Qwen3.5-27B layer shapes with bf16 weights and activations (f32 SSM
+state), times the jitted layer step (GatedDeltaNetLayer, native kernels, cache donated) and
+its parts alone, each jitted: in_proj (the four projections), the attention core
+(GDNAttention: conv + gating + recurrence / chunk), the gated RMSNorm and out_proj. The
+projections' GFLOP/s are compared with this machine's f32 FMA peak, measured in the same run
+by the native probe (without a bf16 dot-product instruction, AVX2 has no faster bf16 path:
+bf16 operands are widened and use the same FMAs).
+
+    PYTHONPATH=. python benchmarks/layer_breakdown.py            # writes benchmarks/LAYER.md
+    PYTHONPATH=. python benchmarks/layer_breakdown.py --quick    # small shapes, a smoke run
+
+Medians of repeated calls after warm-up; the parts are timed one after another in the same
+run, so their sum may differ from the step (the step overlaps nothing, but XLA may fuse the
+norm into neighbours and the parts each pay a dispatch).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gdn_jax
+from gdn_jax import GDNCache, GDNConfig, Request, build_batch
+from gdn_jax.layer import (GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection,
+                           out_projection)
+from gdn_jax.paths import GDNAttention
+
+MODELS = {
+    # name: (hidden, H, HV, K, V)
+    "Qwen3-Next-80B": (2048, 16, 32, 128, 128),
+    "Qwen3.5-27B": (5120, 16, 48, 128, 128),
+}
+QUICK_MODELS = {"tiny-next": (256, 2, 4, 64, 64)}
+
+
+def median_ms(fn, *, warmup=2, min_iters=5, target_s=2.0):
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    t_end = time.perf_counter() + target_s
+    while len(times) < min_iters or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    return 1e3 * statistics.median(times)
+
+
+def case_batch(kind: str, n: int, num_slots: int):
+    if kind == "decode":
+        reqs = [Request.decode(i) for i in range(n)]
+        T = max(8, n)
+    else:
+        reqs = [Request.prefill(0, n)]
+        T = n
+    return build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=max(2, len(reqs))), T
+
+
+def run_case(name, dims, kind, n, peak, log):
+    hidden, H, HV, K, V = dims
+    cfg = GDNLayerConfig(hidden_size=hidden, core=GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K,
+                                                            head_v_dim=V, act_dtype=jnp.bfloat16))
+    params = GDNLayerParams.random(cfg, jax.random.key(0))
+    hb, T = case_batch(kind, n, num_slots=max(16, n))
+    meta = hb.metadata.to_device()
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((T, hidden)), jnp.bfloat16)
+    layer = GatedDeltaNetLayer(cfg, "native")
+    core = GDNAttention(cfg.core, "native")
+    step = layer.prefill_with_status if kind == "prefill" else layer.decode_with_status
+    core_step = core.prefill_with_status if kind == "prefill" else core.decode_with_status
+    box = {"cache": GDNCache.create(cfg.core, max(16, n))}
+
+    def layer_call():
+        out, box["cache"], st = step(h, params, box["cache"], meta)
+        return out
+
+    mixed, z, b, a = jax.jit(in_projection, static_argnums=0)(cfg, params, h)
+
+    def core_call():
+        o, box["cache"], st = core_step(mixed, b, a, params.core, box["cache"], meta)
+        return o
+
+    o = core_call()
+    proj = jax.jit(in_projection, static_argnums=0)
+    norm = jax.jit(gated_rms_norm, static_argnums=3)
+    outp = jax.jit(out_projection)
+    y = norm(o, z, params.norm_weight, cfg.rms_norm_eps).reshape(T, cfg.Z)
+    t = dict(step=median_ms(layer_call), in_proj=median_ms(lambda: proj(cfg, params, h)), core=median_ms(core_call),
+             norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps)),
+             out_proj=median_ms(lambda: outp(params, y)))
+    flops = 2.0 * T * hidden * (cfg.D + cfg.Z + 2 * cfg.HV) + 2.0 * T * cfg.Z * hidden
+    proj_ms = t["in_proj"] + t["out_proj"]
+    gflops = flops / (proj_ms * 1e-3) / 1e9
+    row = dict(model=name, case=f"{kind} {'B' if kind == 'decode' else 'T'}={n}", tokens=T, **t,
+               parts=sum(v for k, v in t.items() if k != "step"), proj_gflops=gflops, proj_peak=gflops / peak)
+    log(f"  {row['model']:<15} {row['case']:<14} step {t['step']:9.2f} ms  in_proj {t['in_proj']:8.2f}  core "
+        f"{t['core']:8.2f}  norm {t['norm']:6.2f}  out_proj {t['out_proj']:8.2f}  projections "
+        f"{gflops:6.1f} GFLOP/s = {100 * row['proj_peak']:.0f}% of the FMA peak")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "LAYER.md"))
+    args = ap.parse_args(argv)
+    if not gdn_jax.native_available():
+        print("the native extension is not built (make build)")
+        return 1
+    threads = os.cpu_count() or 1
+    from gdn_jax import _ffi
+    peak = max(_ffi._gdn_ffi.fma_peak_gflops(threads, 0.3) for _ in range(3))
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"layer breakdown on {cpu}, {threads} threads, ISA {gdn_jax.selected_isa()}, f32 FMA peak {peak:.1f} "
+          f"GFLOP/s (native probe), jax {jax.__version__}", flush=True)
+    models = QUICK_MODELS if args.quick else MODELS
+    cases = [("decode", 1), ("decode", 8), ("prefill", 64 if args.quick else args.prefill_tokens)]
+    rows = []
+    for i, (name, dims) in enumerate(models.items()):
+        for j, (kind, n) in enumerate(cases):
+            print(f"[{i * len(cases) + j + 1}/{len(models) * len(cases)}] {name} {kind} {n}", flush=True)
+            rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True)))
+    if args.quick:
+        return 0
+    lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",
+             f"`PYTHONPATH=. python benchmarks/layer_breakdown.py` on {cpu}, {threads} threads, ISA "
+             f"{gdn_jax.selected_isa()}, jax {jax.__version__}; f32 FMA peak {peak:.1f} GFLOP/s (native probe, same "
+             "run). Medians in ms. `parts` is the sum of the four parts timed alone.", "",
+             "| model | case | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | % of FMA peak |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['case']} | {r['step']:.2f} | {r['in_proj']:.2f} | {r['core']:.2f} | "
+                     f"{r['norm']:.2f} | {r['out_proj']:.2f} | {r['parts']:.2f} | {r['proj_gflops']:.1f} | "
+                     f"{100 * r['proj_peak']:.0f}% |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
