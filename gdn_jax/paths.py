@@ -45,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
+from . import _native
 from . import ops
 from .batch import (PAD_SLOT_ID, ROW_DECODE, ROW_PAD, ROW_PREFILL, ROW_SPEC, BatchMetadata, HostBatch,
-                    batch_status, status_message)
+                    _kinds_mask_bits, batch_status, status_message)
 from .config import GDNCache, GDNConfig, GDNParams
 
 __all__ = [
@@ -156,10 +157,27 @@ def _run_ops(config: GDNConfig, impl: str, kind: str, x, b, a, params: GDNParams
     return out, GDNCache(conv_state=conv, ssm_state=ssm), _first_error(*statuses)
 
 
+def _run_native(config: GDNConfig, kind: str, x, b, a, params: GDNParams, cache: GDNCache, batch: BatchMetadata,
+                status):
+    """The native step: one call (ffi/src/handlers/step.cc) that runs nothing on a nonzero
+    ``status``, else checks the batch itself and runs the kernels of the step's row kinds,
+    each writing its rows' tokens of the one output: (out [T, HV, V], cache, status)."""
+    ops._check_native_head_dims(config.K, config.V)
+    out, conv, ssm, status = _native.step(
+        x, a, b, params.A_log, params.dt_bias, params.conv_weight, params.conv_bias, cache.conv_state,
+        cache.ssm_state, batch.query_start_loc, batch.state_indices, batch.row_kind, batch.has_initial_state,
+        batch.num_accepted_tokens, status, silu=config.activation == "silu",
+        layout=_checks.check_layout(config.conv_state_layout), scale=config.resolved_scale,
+        eps=config.l2norm_eps, l2norm=config.use_qk_l2norm, allowed_kinds=_kinds_mask_bits(STEP_KINDS[kind]))
+    return out, GDNCache(conv_state=conv, ssm_state=ssm), status
+
+
 def _step(config: GDNConfig, impl: str, kind: str, mixed_qkv, b, a, params, cache, batch):
     """Traceable step: (out [T, HV, V], cache, status int32[4]). Runs nothing on a bad batch."""
     T = _check_inputs(config, mixed_qkv, b, a, params, cache, batch)
     status = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=STEP_KINDS[kind], impl=impl)
+    if ops.resolve_impl(impl) == "native":
+        return _run_native(config, kind, mixed_qkv, b, a, params, cache, batch, status)
     # A refused batch runs as an all-padding batch: every op then reads and writes nothing and
     # outputs zeros. Data masking instead of a lax.cond keeps the program straight-line.
     out, new_cache, op_status = _run_ops(config, impl, kind, mixed_qkv, b, a, params, cache,

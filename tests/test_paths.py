@@ -850,3 +850,109 @@ def test_soak_random_schedule_long(impl_isa, cfg):
     with impl_context(impl_isa) as impl:
         seen = run_soak(cfg, impl, steps=1500, seed=21)
     assert seen["prefill"] and seen["decode"] and seen["finished"] and seen["reused"], seen
+
+
+# --- the native step: one call, no glue ---------------------------------------------------------
+
+NATIVE_ISAS = [p for p in IMPLS if p.values[0][0] == "native"]
+
+
+def _interleaved_requests(cfg, rng, kind):
+    """Rows of the kinds ``kind`` takes, kinds interleaved (caller's order kept: reorder=False)."""
+    C = cfg.spec_cols
+    slots = list(rng.permutation(N))
+    take = lambda k: tuple(int(slots.pop()) for _ in range(k))  # noqa: E731
+    pre = [Request.prefill(take(1)[0], 9, has_initial_state=True), Request.prefill(take(1)[0], 67)]
+    dec = [Request.decode(take(1)[0]), Request.decode(take(1)[0])]
+    spec = [Request.spec(take(C), C, num_accepted=C), Request.spec(take(C), 1, num_accepted=2)] if cfg.num_spec else []
+    rows = {"prefill": pre, "decode": dec, "spec_decode": [dec[0], *spec, dec[1]],
+            "gdn_attention_core": [dec[0], pre[0], *spec[:1], pre[1], dec[1], *spec[1:]]}[kind]
+    return rows
+
+
+@pytest.mark.parametrize("impl_isa", NATIVE_ISAS)
+@pytest.mark.parametrize("cfg", [CFG, CFG_X, CFG_BS], ids=["f32-SD", "bf16-gqa-DS-bias", "bf16state-W3"])
+@pytest.mark.parametrize("kind", list(STEP_KINDS))
+def test_native_step_equals_the_op_composition(impl_isa, cfg, kind):
+    """The one-call native step gives the bits of the multi-op composition (the kernels one by one,
+    masked indices, summed outputs: paths._run_ops) on rows of interleaved kinds, and both are
+    within budget of the float64 oracle."""
+    rng = np.random.default_rng(21)
+    reqs = _interleaved_requests(cfg, rng, kind)
+    n_tok = sum(r.num_tokens for r in reqs)
+    hb = build_batch(reqs, num_slots=N, num_spec=cfg.num_spec, token_bucket=n_tok + 3, row_bucket=len(reqs) + 2,
+                     reorder=False)
+    x, b, a = (jnp.asarray(hb.pack(list(v))) for v in zip(*_inputs(cfg, rng, reqs)))
+    params = _params(cfg)
+    with impl_context(impl_isa) as impl:
+        cache = garbage_cache(cfg, rng)
+        pre = cache_bits(cache)
+        one = jax.jit(lambda *args: paths._step(cfg, impl, kind, *args))
+        out1, c1, st1 = one(x, b, a, params, cache, hb.metadata)
+        ops_ = jax.jit(lambda x, b, a, p, c, m: paths._run_ops(cfg, impl, kind, x, b, a, p, c, m))
+        out2, c2, st2 = ops_(x, b, a, params, cache, hb.metadata)
+    assert int(st1[0]) == 0 and int(st2[0]) == 0
+    assert _bits_equal(out1, out2), "outputs differ from the op composition"
+    assert _bits_equal(c1.conv_state, c2.conv_state) and _bits_equal(c1.ssm_state, c2.ssm_state)
+    check_against_oracle(cfg, params, pre, hb, np.asarray(x), np.asarray(b), np.asarray(a), np.asarray(out1), c1,
+                         impl=impl)
+
+
+@pytest.mark.parametrize("impl_isa", NATIVE_ISAS[:1])
+def test_native_step_checks_the_batch_itself(impl_isa):
+    """The raw step target refuses a bad batch on its own check (the caller's status OK): nothing
+    written, a zero output, the status of batch_status; a nonzero caller's status is passed on."""
+    from gdn_jax import _native
+    from gdn_jax.batch import batch_status
+    cfg = CFG
+    rng = np.random.default_rng(22)
+    params = _params(cfg)
+    x, b, a = (jnp.asarray(rng.standard_normal((T, d)), cfg.act_dtype) for d in (cfg.D, cfg.HV, cfg.HV))
+    for _, meta, _ in BAD_BATCHES:
+        for given in ("ok", "error"):
+            with impl_context(impl_isa):
+                cache = garbage_cache(cfg, rng)
+                pre = cache_bits(cache)
+                want = batch_status(meta, num_tokens=T, num_slots=N, kinds=STEP_KINDS["gdn_attention_core"],
+                                    impl="reference")
+                st_in = jnp.zeros((4,), jnp.int32) if given == "ok" else want
+
+                def run(x, b, a, params, cache, meta, st_in):
+                    return paths._run_native(cfg, "gdn_attention_core", x, b, a, params, cache, meta, st_in)
+                out, new, st = jax.jit(run)(x, b, a, params, cache, jax.tree.map(jnp.asarray, meta), st_in)
+            assert int(want[0]) != 0
+            np.testing.assert_array_equal(np.asarray(st), np.asarray(want))
+            assert not np.any(np.asarray(out))
+            assert all(_bits_equal(u, v) for u, v in zip(cache_bits(new), pre))
+
+
+def glue(hlo: str, shapes) -> list:
+    """Instructions of a compiled HLO text, other than custom calls, that write an array of one of
+    ``shapes`` (see materialised)."""
+    return [line for line in materialised(hlo, shapes) if " custom-call(" not in line]
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS_STRUCTURAL)
+@pytest.mark.parametrize("cfg", [CFG, CFG_X, CFG_BS], ids=["f32-SD", "bf16-DS", "bf16state"])
+def test_native_steps_are_two_calls_without_glue(impl_isa, cfg):
+    """Each native step compiles to the batch check and the one step call: no other op makes an
+    array of T x D, T x HV x V or pool size (masked outputs summed, converts, copies)."""
+    n = 37
+    rng = np.random.default_rng(23)
+    shapes = {cfg.conv_state_shape(n), cfg.ssm_state_shape(n), (T, cfg.D), (T, cfg.HV, cfg.V),
+              (T, cfg.HV * cfg.V)}
+    with impl_context(impl_isa) as impl:
+        eng = Engine(cfg, impl, n=n, cache=garbage_cache(cfg, rng, n=n))
+        hb = eng.build(_mixed_requests(cfg, rng))
+        x = jnp.zeros((T, cfg.D), cfg.act_dtype)
+        b = a = jnp.zeros((T, cfg.HV), cfg.act_dtype)
+        for kind in STEP_KINDS:
+            fn = getattr(eng.attn, f"{kind}_with_status")
+            hlo = fn.lower(x, b, a, eng.params, eng.cache, hb.metadata).compile().as_text()
+            assert glue(hlo, shapes) == [], kind
+            calls = re.findall(r'custom_call_target="([\w]+)"', hlo)
+            assert sorted(calls) == ["gdn_jax_batch_status", "gdn_jax_step"], (kind, calls)
+        # The check sees glue where it exists: the op composition sums two masked outputs.
+        comp = jax.jit(lambda x, b, a, p, c, m: paths._run_ops(cfg, impl, "gdn_attention_core", x, b, a, p, c, m))
+        hlo = comp.lower(x, b, a, eng.params, eng.cache, hb.metadata).compile().as_text()
+        assert glue(hlo, shapes) != []

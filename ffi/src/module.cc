@@ -26,6 +26,7 @@ XLA_FFI_Error* GdnChunk(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnCopySlots(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnReport(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBatchStatus(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnStep(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -64,6 +65,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["copy_slots"] = capsule(gdn::GdnCopySlots);
     d["report"] = capsule(gdn::GdnReport);
     d["batch_status"] = capsule(gdn::GdnBatchStatus);
+    d["step"] = capsule(gdn::GdnStep);
     return d;
   });
   // The XLA FFI API version of the headers this module was compiled with: a jaxlib whose own

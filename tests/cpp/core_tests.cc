@@ -117,6 +117,30 @@ void test_gating(const KernelTable& kt, DType act, std::mt19937& rng) {
 // Weight and bias hold bf16-representable values, so either parameter dtype (wdt) gives the
 // same float64 reference; without a bias (has_bias false) the kernel gets a null pointer.
 // W = 5 takes the generic path (W <= 4 are specialised).
+// The row filter of the serving step (RowFilter, handlers/step.cc): the rows of kind 1, then
+// those of kind 2, run as two filtered calls on the same buffers give the bits of one
+// unfiltered call (out_all, st_all from pool0), and after the first call the other rows'
+// output tokens are untouched. set(args, out, state) points a call at the buffers.
+template <class Args, class Set, class Fn>
+void check_row_filter(const std::string& what, Args p, int64_t token_bytes, const std::vector<uint8_t>& pool0,
+                      const std::vector<uint8_t>& out_all, const std::vector<uint8_t>& st_all, Set set, Fn run) {
+  std::vector<int32_t> kind(size_t(p.S));
+  for (int64_t s = 0; s < p.S; ++s) kind[size_t(s)] = 1 + int32_t(s % 2);
+  std::vector<uint8_t> out(out_all.size(), 0xab), st = pool0;
+  set(p, out.data(), st.data());
+  p.rows = RowFilter{kind.data(), 1u << 1};
+  run(p);
+  bool untouched = true;
+  for (int64_t s = 1; s < p.S; s += 2)
+    for (int64_t b = p.query_start_loc[s] * token_bytes; b < p.query_start_loc[s + 1] * token_bytes; ++b)
+      untouched &= out[size_t(b)] == 0xab;
+  p.rows = RowFilter{kind.data(), 1u << 2};
+  run(p);
+  const size_t n = size_t(p.T * token_bytes);
+  check_true(what, untouched && std::memcmp(out.data(), out_all.data(), n) == 0 && st == st_all);
+}
+
+
 void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool has_bias, std::mt19937& rng) {
   const int64_t D = 72, N = 5, num_spec = 2, L = W - 1 + num_spec;
   const std::vector<int32_t> lens = {5, 0, 2, 9};
@@ -141,6 +165,7 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
   p.slot_stride = L * D; p.time_stride = ds ? 1 : D; p.chan_stride = ds ? L : 1;
   p.query_start_loc = qsl.data(); p.state_indices = idx.data();
   p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = S;
+  const std::vector<uint8_t> st0 = st;
   kt.conv_fwd(p, Parallel{});
   // float64 evaluation
   std::vector<double> yr(T * D, 0.0), sr = pool.f64;
@@ -167,6 +192,10 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
   const double budget = act == DType::f32 ? 1e-6 : 4e-3;
   check("conv_fwd y     " + tag, rel_rmse(read_act(y.data(), act, T * D), yr), budget);
   check("conv_fwd state " + tag, rel_rmse(read_act(st.data(), act, N * L * D), sr), 0.0);
+  const int64_t es = act == DType::f32 ? 4 : 2;
+  auto conv_bufs = [](ConvArgs& a, void* out, void* state) { a.y = out; a.conv_state = state; };
+  check_row_filter("conv_fwd, row filter " + tag, p, D * es, st0, y, st, conv_bufs,
+                   [&](const ConvArgs& m) { kt.conv_fwd(m, Parallel{}); });
 
   // Spec rolling-buffer update on the state just written: rows q = {3, 1, 2}, acc = {2, 1, 3}.
   const std::vector<int32_t> q2 = {3, 1, 2}, acc = {2, 1, 3}, idx2 = {0, 4, 3};
@@ -178,6 +207,7 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
   ConvArgs u = p;
   u.x = x2.ptr(act); u.y = y2.data(); u.T = T2; u.S = 3; u.query_start_loc = qsl2.data();
   u.state_indices = idx2.data(); u.has_initial_state = nullptr; u.num_accepted = acc.data();
+  const std::vector<uint8_t> st1 = st;
   kt.conv_update(u, Parallel{});
   std::vector<double> y2r(T2 * D, 0.0), s2r = base;
   for (int64_t r = 0; r < 3; ++r) {
@@ -197,6 +227,8 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
   }
   check("conv_update y     " + tag, rel_rmse(read_act(y2.data(), act, T2 * D), y2r), budget);
   check("conv_update state " + tag, rel_rmse(read_act(st.data(), act, N * L * D), s2r), 0.0);
+  check_row_filter("conv_update, row filter " + tag, u, D * es, st1, y2, st, conv_bufs,
+                   [&](const ConvArgs& m) { kt.conv_update(m, Parallel{}); });
 }
 
 // conv_fwd over one fresh sequence of T tokens, D channels, W = 2, taps (0, 1) and a zero bias,
@@ -411,6 +443,7 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
                     (sdt == DType::f32 ? " state f32" : " state bf16");
   if (K != GdnCase{}.K || V != GdnCase{}.V) tag += " K" + std::to_string(K) + " V" + std::to_string(V);
   const bool f32all = act == DType::f32 && sdt == DType::f32;
+  const int64_t es = act == DType::f32 ? 4 : 2;
 
   // Spec verify: rows with q = {3, 1, 2}, acc = {2, 1, 3}, 3 columns; row 1 is padding.
   if (with_spec) {
@@ -431,6 +464,9 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     kt.recurrent(p, Parallel{});
     check_mixed_qkv("recurrent spec, mixed qkv rows = dense " + tag, p, q, k, v, act, pool, o, st,
                     [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
+    check_row_filter("recurrent spec, row filter " + tag, p, HV * V * es, pool, o, st,
+                     [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
+                     [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
     std::vector<double> orf(T * HV * V, 0.0), sref = S0r;
     std::vector<double> qh(K), kh(K);
     for (int64_t r = 0; r < S; ++r) {
@@ -488,6 +524,9 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     kt.chunk(p, Parallel{});
     check_mixed_qkv("chunk, mixed qkv rows = dense " + tag, p, q, k, v, act, st0, o, st,
                     [&](const ChunkArgs& m) { kt.chunk(m, Parallel{}); });
+    check_row_filter("chunk, row filter " + tag, p, HV * V * es, st0, o, st,
+                     [](ChunkArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
+                     [&](const ChunkArgs& m) { kt.chunk(m, Parallel{}); });
     std::vector<double> orf(T * HV * V, 0.0), qh(K), kh(K);
     for (int64_t s = 0; s < S; ++s) {
       if (idx[s] < 0 || lens[s] == 0) continue;

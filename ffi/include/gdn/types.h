@@ -41,6 +41,16 @@ struct Parallel {
 // (validate.h) before a kernel is called, so kernels trust them. A slot index of -1
 // (PAD_SLOT_ID) marks a padding row: nothing read or written, output rows zero.
 
+// The rows a conv, recurrent or chunk kernel owns. A serving step (handlers/step.cc) runs
+// several kernels over one batch of mixed row kinds: each then owns the rows whose row_kind
+// has its bit in `kinds` and neither reads nor writes the others, output included (their
+// tokens belong to another kernel of the same call). Default: every row.
+struct RowFilter {
+  const int32_t* row_kind = nullptr;  // [S] (validate.h RowKind); null: every row
+  uint32_t kinds = ~0u;               // bit k: rows of kind k
+  bool owns(int64_t s) const { return row_kind == nullptr || ((kinds >> (uint32_t(row_kind[s]) & 31u)) & 1u) != 0; }
+};
+
 struct GatingArgs {
   DType act;               // dtype of a, b
   const void* a;           // [T, HV]
@@ -72,6 +82,7 @@ struct ConvArgs {
   const bool* has_initial_state;   // [S]   (conv_fwd only)
   const int32_t* num_accepted;     // [S]   (conv_update only; window starts at row acc-1)
   int64_t S;
+  RowFilter rows;                  // all rows unless a serving step says otherwise
 };
 
 // Token recurrence with fused gating: plain decode (one token per row, one index column,
@@ -94,6 +105,7 @@ struct RecurrentArgs {
   int64_t T, S, N, H, HV, K, V;
   float scale, eps;
   bool l2norm;
+  RowFilter rows;                  // all rows unless a serving step says otherwise
 };
 
 // Chunked (WY, chunk 64) varlen prefill.
@@ -111,6 +123,7 @@ struct ChunkArgs {
   int64_t T, S, N, H, HV, K, V;
   float scale, eps;
   bool l2norm;
+  RowFilter rows;                  // all rows unless a serving step says otherwise
 };
 
 // Token-row strides of q / k and v (RecurrentArgs, ChunkArgs): dense when the ld is 0.

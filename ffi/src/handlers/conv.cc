@@ -3,45 +3,6 @@
 #include "handlers/common.h"
 
 namespace gdn {
-namespace {
-
-// Fills the shape part of ConvArgs shared by both ops; layout 0 = SD [N, L, D], 1 = DS [N, D, L].
-// weight and bias come in the model's dtype (f32 or bf16, each its own); a bias of 0
-// elements means none.
-ffi::Error conv_common(const char* op, ffi::AnyBuffer& x, ffi::AnyBuffer& weight, ffi::AnyBuffer& bias,
-                       ffi::AnyBuffer& conv_state, int32_t layout, ConvArgs& p) {
-  if (!to_dtype(x.element_type(), &p.act) || conv_state.element_type() != x.element_type())
-    return bad(op, "x and conv_state must share one dtype, float32 or bfloat16");
-  const auto xd = x.dimensions(), wd = weight.dimensions(), sd = conv_state.dimensions();
-  if (xd.size() != 2) return bad(op, "x must be [T, D], got " + dims_str(xd));
-  p.T = xd[0];
-  p.D = xd[1];
-  if (wd.size() != 2 || wd[0] != p.D) return bad(op, "weight must be [D, W], got " + dims_str(wd));
-  p.W = wd[1];
-  if (!to_dtype(weight.element_type(), &p.weight_dtype)) return bad(op, "weight must be float32 or bfloat16");
-  if (!to_dtype(bias.element_type(), &p.bias_dtype)) return bad(op, "bias must be float32 or bfloat16");
-  if (bias.element_count() != size_t(p.D) && bias.element_count() != 0)
-    return bad(op, "bias must be [D], or [0] for no bias, got " + dims_str(bias.dimensions()));
-  if (sd.size() != 3) return bad(op, "conv_state must be rank 3, got " + dims_str(sd));
-  p.N = sd[0];
-  if (layout == 0) {
-    p.L = sd[1];
-    if (sd[2] != p.D) return bad(op, "conv_state (SD layout) must be [N, L, D], got " + dims_str(sd));
-    p.slot_stride = p.L * p.D; p.time_stride = p.D; p.chan_stride = 1;
-  } else {
-    p.L = sd[2];
-    if (sd[1] != p.D) return bad(op, "conv_state (DS layout) must be [N, D, L], got " + dims_str(sd));
-    p.slot_stride = p.L * p.D; p.time_stride = 1; p.chan_stride = p.L;
-  }
-  if (p.W < 1 || p.L < p.W - 1) return bad(op, "conv_state length L must be >= W - 1");
-  p.x = x.untyped_data();
-  p.weight = weight.untyped_data();
-  p.bias = bias.element_count() ? bias.untyped_data() : nullptr;
-  p.conv_state = conv_state.untyped_data();
-  return ffi::Error::Success();
-}
-
-}  // namespace
 
 static ffi::Error ConvFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                               ffi::AnyBuffer bias, ffi::AnyBuffer conv_state,

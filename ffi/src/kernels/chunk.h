@@ -415,7 +415,7 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / groups, h0 = (item % groups) * gsz, kh = h0 / G;
       const int64_t bos = qsl[s], eos = qsl[s + 1];
-      if (eos <= bos) continue;  // zero-length: nothing read, nothing written
+      if (eos <= bos || !p.rows.owns(s)) continue;  // zero-length or another kernel's row
       const int32_t slot = p.state_indices[s];
       if (slot < 0) {  // padding row
         for (int64_t t = bos; t < eos; ++t) std::memset(o + (t * HV + h0) * V, 0, size_t(gsz * V) * sizeof(TA));

@@ -182,6 +182,10 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
     while (qsl[s + 1] <= t) ++s;
     const int64_t e = qsl[s + 1] < tz ? qsl[s + 1] : tz, start = qsl[s];
     const int32_t slot = p.state_indices[s];
+    if (!p.rows.owns(s)) {  // another kernel's tokens
+      t = e;
+      continue;
+    }
     if (slot < 0) {
       conv_zero_rows(y, D, t, e, c0, c1);
       t = e;
@@ -239,7 +243,7 @@ void conv_fwd_block_any(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, i
   conv_zero_rows(y, D, tz, t1, c0, c1);
   for (int64_t s = 0; s < p.S; ++s) {
     const int64_t a = qsl[s] > t0 ? qsl[s] : t0, e = qsl[s + 1] < tz ? qsl[s + 1] : tz;
-    if (a >= e) continue;
+    if (a >= e || !p.rows.owns(s)) continue;
     const int32_t slot = p.state_indices[s];
     if (slot < 0) {
       conv_zero_rows(y, D, a, e, c0, c1);
@@ -267,7 +271,7 @@ template <class T>
 void conv_fwd_state(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
   const int32_t slot = p.state_indices[s];
   const int64_t start = p.query_start_loc[s], n = p.query_start_loc[s + 1] - start;
-  if (slot < 0 || n == 0) return;
+  if (slot < 0 || n == 0 || !p.rows.owns(s)) return;
   const T* x = static_cast<const T*>(p.x);
   T* st = static_cast<T*>(p.conv_state) + slot * p.slot_stride;
   const int64_t W = p.W, cs = p.chan_stride, ts = p.time_stride, nc = c1 - c0;
@@ -369,7 +373,7 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
   const float* bt = wt + W * kConvChanBlock;
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
-    if (q == 0) continue;
+    if (q == 0 || !p.rows.owns(s)) continue;
     const int32_t slot = p.state_indices[s];
     if (slot < 0) {
       conv_zero_rows(y, D, start, start + q, c0, c1);
@@ -412,7 +416,7 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
   const int64_t D = p.D, W = p.W, ts = p.time_stride, cs = p.chan_stride;
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
-    if (q == 0) continue;
+    if (q == 0 || !p.rows.owns(s)) continue;
     const int32_t slot = p.state_indices[s];
     if (slot < 0) {
       conv_zero_rows(y, D, start, start + q, c0, c1);

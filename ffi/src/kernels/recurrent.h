@@ -286,7 +286,7 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
       const int64_t c0 = (nblk * sp / nsplit) * kRecBlock;
       const int64_t c1 = rec_min(V, (nblk * (sp + 1) / nsplit) * kRecBlock);
       const int64_t j0 = qsl[i], nq = int64_t(qsl[i + 1]) - j0;
-      if (nq <= 0 || c0 >= c1) continue;
+      if (nq <= 0 || c0 >= c1 || !p.rows.owns(i)) continue;
       const int32_t* row = idx + i * cols;
       if (row[0] == -1) {  // padding row: zero output, nothing read or written
         for (int64_t t = 0; t < nq; ++t)

@@ -1,0 +1,216 @@
+"""Serving steps against the sum of their kernels, measured in one run (issue 20, item 2).
+
+At Qwen3-Next-80B per-layer shapes (H=16, HV=32, K=V=128, D=8192, W=4, bf16 activations):
+decode B=1 and B=8, spec 8 rows x 4 tokens (f32 and bf16 state), prefill T=2048 and 8192 (f32
+state). Per case, in turns (one call of each, over and over, so that all see the same machine):
+
+* step:     GDNAttention.<kind>_with_status (the native step: batch check + one call);
+* composed: the same step as the op composition it replaced (paths._run_ops: the kernels one by
+            one, masked indices, outputs summed; native ops);
+* kernels:  each kernel of the step as its own jitted op call on the same shapes (conv update +
+            recurrence; conv update + spec recurrence; conv + gating + chunk), and their sum;
+* empty:    an empty jitted call (a donated [1] array returned): the fixed cost of one dispatch.
+
+Cold state: the decode and spec pools are 4x a 32 MiB LLC and every call takes the next disjoint
+slot set. Prints medians (ms) and the ratios step / kernels and step / (kernels + empty); with
+--repeats R, the median over R runs of each median.
+
+    PYTHONPATH=. python benchmarks/step_overhead.py [--cases decode_b1,prefill_2048] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, Request, build_batch, ops, paths
+from gdn_jax.batch import batch_status
+
+H, HV, K, V, W = 16, 32, 128, 128, 4
+D = 2 * H * K + HV * V
+LLC = 32 << 20
+
+
+def _cfg(num_spec, state_dtype):
+    return GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K, head_v_dim=V, conv_width=W, num_spec=num_spec,
+                     state_dtype=state_dtype, act_dtype=jnp.bfloat16)
+
+
+def _rnd(rng, shape, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+class Cycle:
+    """A no-argument call of fn(*fixed, cache, batch) threading the donated cache and cycling batches."""
+
+    def __init__(self, fn, fixed, cache, batches, cache_pos):
+        self.fn, self.fixed, self.cache, self.batches, self.pos, self.i = fn, fixed, cache, batches, cache_pos, 0
+
+    def __call__(self):
+        args = list(self.fixed)
+        args.insert(self.pos, self.cache)
+        args.append(self.batches[self.i % len(self.batches)])
+        out = self.fn(*args)
+        self.cache = out[1]
+        self.i += 1
+        jax.block_until_ready(out)
+
+
+def composed(cfg, kind):
+    """The step as the op composition of before (native ops, masked, summed)."""
+
+    def step(x, b, a, params, cache, batch):
+        st = batch_status(batch, num_tokens=x.shape[0], num_slots=cache.num_slots, kinds=paths.STEP_KINDS[kind],
+                          impl="native")
+        out, cache, op_st = paths._run_ops(cfg, "native", kind, x, b, a, params, cache,
+                                           paths._neutralise(batch, st[0] == 0))
+        return out, cache, jnp.where(st[0] != 0, st, op_st)
+
+    return jax.jit(step, donate_argnames="cache")
+
+
+def case(name, rng):
+    """(calls: dict name -> no-arg call, kernels: names summed as 'its kernels')."""
+    if name.startswith("decode") or name.startswith("spec"):
+        sd = jnp.bfloat16 if name.endswith("bf16") else jnp.float32
+        if name.startswith("decode"):
+            B = int(name.split("_")[1][1:])
+            rows, q, kind, num_spec = B, 1, "decode", 0
+        else:
+            rows, q, kind, num_spec = 8, 4, "spec_decode", 3
+        cfg = _cfg(num_spec, sd)
+        T = rows * q
+        slot_bytes = HV * K * V * jnp.dtype(sd).itemsize
+        per_set = rows * (cfg.spec_cols if num_spec else 1)
+        N = max(per_set * 2, int(np.ceil(4 * LLC / slot_bytes / per_set)) * per_set)
+        sets = []
+        for s in range(N // per_set):
+            base = s * per_set
+            if num_spec:
+                reqs = [Request.spec(tuple(range(base + i * cfg.spec_cols, base + (i + 1) * cfg.spec_cols)), q,
+                                     num_accepted=1 + i % 4) for i in range(rows)]
+            else:
+                reqs = [Request.decode(base + i) for i in range(rows)]
+            sets.append(build_batch(reqs, num_slots=N, num_spec=num_spec, token_bucket=T, row_bucket=rows))
+        metas = [hb.metadata.to_device() for hb in sets]
+        x, b, a = _rnd(rng, (T, D)), _rnd(rng, (T, HV)), _rnd(rng, (T, HV))
+        params = GDNParams.random(cfg, jax.random.key(0))
+        attn = GDNAttention(cfg, impl="native")
+        calls = {"step": Cycle(getattr(attn, f"{kind}_with_status"), (x, b, a, params), GDNCache.create(cfg, N),
+                               metas, 4),
+                 "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
+        # The kernels as ops on the same shapes, their own pools, the same slot sets.
+        conv_pool = jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16)
+        ssm_pool = jnp.zeros(cfg.ssm_state_shape(N), sd)
+        col0 = [m.state_indices[:, 0] for m in metas]
+        qsl = metas[0].query_start_loc
+        acc = metas[0].num_accepted_tokens
+        conv = jax.jit(lambda x, pool, idx: ops.causal_conv1d_update(
+            x, weight=params.conv_weight, bias=None, conv_state=pool, state_indices=idx, num_accepted_tokens=acc,
+            query_start_loc=qsl), donate_argnums=1)
+        qh, kh, vh = _rnd(rng, (T, H, K)), _rnd(rng, (T, H, K)), _rnd(rng, (T, HV, V))
+        rec = jax.jit(lambda pool, idx: ops.fused_sigmoid_gating_delta_rule_update_spec(
+            qh, kh, vh, a=a, b=b, A_log=params.A_log, dt_bias=params.dt_bias, ssm_state=pool, query_start_loc=qsl,
+            spec_state_indices=idx, num_accepted_tokens=acc), donate_argnums=0)
+        calls["conv_update"] = Cycle(conv, (x,), conv_pool, col0, 1)
+        calls["recurrence"] = Cycle(rec, (), ssm_pool, [m.state_indices for m in metas], 0)
+        kernels = ("conv_update", "recurrence")
+    else:
+        T = int(name.split("_")[1])
+        cfg = _cfg(0, jnp.float32)
+        N = 3
+        hb = build_batch([Request.prefill(1, T)], num_slots=N, num_spec=0, token_bucket=T, row_bucket=1)
+        meta = hb.metadata.to_device()
+        x, b, a = _rnd(rng, (T, D)), _rnd(rng, (T, HV)), _rnd(rng, (T, HV))
+        params = GDNParams.random(cfg, jax.random.key(0))
+        attn = GDNAttention(cfg, impl="native")
+        calls = {"step": Cycle(attn.prefill_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
+                 "composed": Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
+        qsl, idx, hs = meta.query_start_loc, meta.state_indices[:, 0], meta.has_initial_state
+        conv = jax.jit(lambda x, pool: ops.causal_conv1d_fwd(
+            x, weight=params.conv_weight, bias=None, conv_state=pool, query_start_loc=qsl, state_indices=idx,
+            has_initial_state=hs), donate_argnums=1)
+        gate = jax.jit(lambda a, b: ops.fused_gdn_gating(a, b, A_log=params.A_log, dt_bias=params.dt_bias))
+        qh, kh, vh = _rnd(rng, (T, H, K)), _rnd(rng, (T, H, K)), _rnd(rng, (T, HV, V))
+        g, beta = gate(a, b)
+        chunk = jax.jit(lambda pool: ops.chunk_gated_delta_rule(
+            qh, kh, vh, g=g, beta=beta, ssm_state=pool, query_start_loc=qsl, state_indices=idx,
+            has_initial_state=hs), donate_argnums=0)
+        calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (x,), jnp.zeros(cfg.conv_state_shape(N),
+                                                                                   jnp.bfloat16), [None], 1)
+        calls["gating"] = lambda: jax.block_until_ready(gate(a, b))
+        calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32),
+                               [None], 0)
+        kernels = ("conv_fwd", "gating", "chunk")
+    empty = jax.jit(lambda z: z, donate_argnums=0)
+    box = [jnp.zeros((1,), jnp.int32)]
+
+    def empty_call():
+        box[0] = empty(box[0])
+        jax.block_until_ready(box[0])
+
+    calls["empty"] = empty_call
+    return calls, kernels
+
+
+def measure(calls, target_s, min_iters=7, max_iters=3000):
+    """Median ms of each call, the calls taken in turns (order rotated every round)."""
+    for c in calls.values():
+        for _ in range(2):
+            c()
+    names = list(calls)
+    times = {n: [] for n in names}
+    t_end = time.perf_counter() + target_s
+    r = 0
+    while r < min_iters or (time.perf_counter() < t_end and r < max_iters):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            calls[n]()
+            times[n].append((time.perf_counter() - t0) * 1e3)
+        r += 1
+    return {n: float(np.median(v)) for n, v in times.items()}
+
+
+CASES = ["decode_b1_f32", "decode_b8_f32", "decode_b8_bf16", "spec_8x4_f32", "spec_8x4_bf16", "prefill_2048",
+         "prefill_8192"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--target", type=float, default=3.0, help="seconds per case and repeat")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    results = {}
+    print(f"jax {jax.__version__}, ISA {__import__('gdn_jax').selected_isa()}, "
+          f"{jax.devices()[0].device_kind}; medians in ms", flush=True)
+    for name in args.cases.split(","):
+        calls, kernels = case(name, rng)
+        target = args.target * (4 if name.startswith("prefill") else 1)
+        runs = [measure(calls, target) for _ in range(args.repeats)]
+        med = {n: float(np.median([r[n] for r in runs])) for n in calls}
+        ksum = float(np.median([sum(r[k] for k in kernels) for r in runs]))
+        ratio = float(np.median([r["step"] / sum(r[k] for k in kernels) for r in runs]))
+        ratio_e = float(np.median([r["step"] / (sum(r[k] for k in kernels) + r["empty"]) for r in runs]))
+        ratio_c = float(np.median([r["composed"] / sum(r[k] for k in kernels) for r in runs]))
+        results[name] = dict(medians=med, kernels=list(kernels), kernel_sum=ksum, step_over_kernels=ratio,
+                             step_over_kernels_plus_empty=ratio_e, composed_over_kernels=ratio_c,
+                             runs=runs)
+        parts = " + ".join(f"{k} {med[k]:.3f}" for k in kernels)
+        print(f"{name:15s} step {med['step']:8.3f}  composed {med['composed']:8.3f}  kernels {ksum:8.3f} ({parts})  "
+              f"empty {med['empty']:.3f}  step/kernels {ratio:.3f}  step/(kernels+empty) {ratio_e:.3f}  "
+              f"composed/kernels {ratio_c:.3f}", flush=True)
+        del calls
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
