@@ -9,11 +9,13 @@ state). Per case, in turns (one call of each, over and over, so that all see the
             one, masked indices, outputs summed; native ops);
 * kernels:  each kernel of the step as its own jitted op call on the same shapes (conv update +
             recurrence; conv update + spec recurrence; conv + gating + chunk), and their sum;
+* single:   the step without its separate batch_status call (the step call checks the batch too);
 * empty:    an empty jitted call (a donated [1] array returned): the fixed cost of one dispatch.
 
 Cold state: the decode and spec pools are 4x a 32 MiB LLC and every call takes the next disjoint
 slot set. Prints medians (ms) and the ratios step / kernels and step / (kernels + empty); with
---repeats R, the median over R runs of each median.
+--repeats R, the median over R runs of each median (and of each 10th percentile: on a shared
+host the low percentile is the steadier estimate of a call's own cost).
 
     PYTHONPATH=. python benchmarks/step_overhead.py [--cases decode_b1,prefill_2048] [--repeats 3]
 """
@@ -73,6 +75,16 @@ def composed(cfg, kind):
     return jax.jit(step, donate_argnames="cache")
 
 
+def single(cfg, kind):
+    """The native step without the separate batch_status call (the step call's own check only): what
+    that call costs."""
+
+    def step(x, b, a, params, cache, batch):
+        return paths._run_native(cfg, kind, x, b, a, params, cache, batch, jnp.zeros((4,), jnp.int32))
+
+    return jax.jit(step, donate_argnames="cache")
+
+
 def case(name, rng):
     """(calls: dict name -> no-arg call, kernels: names summed as 'its kernels')."""
     if name.startswith("decode") or name.startswith("spec"):
@@ -102,7 +114,8 @@ def case(name, rng):
         attn = GDNAttention(cfg, impl="native")
         calls = {"step": Cycle(getattr(attn, f"{kind}_with_status"), (x, b, a, params), GDNCache.create(cfg, N),
                                metas, 4),
-                 "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
+                 "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4),
+                 "single": Cycle(single(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
         # The kernels as ops on the same shapes, their own pools, the same slot sets.
         conv_pool = jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16)
         ssm_pool = jnp.zeros(cfg.ssm_state_shape(N), sd)
@@ -129,7 +142,8 @@ def case(name, rng):
         params = GDNParams.random(cfg, jax.random.key(0))
         attn = GDNAttention(cfg, impl="native")
         calls = {"step": Cycle(attn.prefill_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
-                 "composed": Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
+                 "composed": Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
+                 "single": Cycle(single(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
         qsl, idx, hs = meta.query_start_loc, meta.state_indices[:, 0], meta.has_initial_state
         conv = jax.jit(lambda x, pool: ops.causal_conv1d_fwd(
             x, weight=params.conv_weight, bias=None, conv_state=pool, query_start_loc=qsl, state_indices=idx,
@@ -172,7 +186,8 @@ def measure(calls, target_s, min_iters=7, max_iters=3000):
             calls[n]()
             times[n].append((time.perf_counter() - t0) * 1e3)
         r += 1
-    return {n: float(np.median(v)) for n, v in times.items()}
+    return ({n: float(np.median(v)) for n, v in times.items()},
+            {n: float(np.percentile(v, 10)) for n, v in times.items()})
 
 
 CASES = ["decode_b1_f32", "decode_b8_f32", "decode_b8_bf16", "spec_8x4_f32", "spec_8x4_bf16", "prefill_2048",
@@ -193,7 +208,10 @@ def main(argv=None):
     for name in args.cases.split(","):
         calls, kernels = case(name, rng)
         target = args.target * (4 if name.startswith("prefill") else 1)
-        runs = [measure(calls, target) for _ in range(args.repeats)]
+        both = [measure(calls, target) for _ in range(args.repeats)]
+        runs = [m for m, _ in both]
+        p10 = {n: float(np.median([p[n] for _, p in both])) for n in calls}
+        ratio_p10 = p10["step"] / sum(p10[k] for k in kernels)
         med = {n: float(np.median([r[n] for r in runs])) for n in calls}
         ksum = float(np.median([sum(r[k] for k in kernels) for r in runs]))
         ratio = float(np.median([r["step"] / sum(r[k] for k in kernels) for r in runs]))
@@ -201,11 +219,12 @@ def main(argv=None):
         ratio_c = float(np.median([r["composed"] / sum(r[k] for k in kernels) for r in runs]))
         results[name] = dict(medians=med, kernels=list(kernels), kernel_sum=ksum, step_over_kernels=ratio,
                              step_over_kernels_plus_empty=ratio_e, composed_over_kernels=ratio_c,
-                             runs=runs)
+                             p10=p10, step_over_kernels_p10=ratio_p10, runs=runs)
         parts = " + ".join(f"{k} {med[k]:.3f}" for k in kernels)
-        print(f"{name:15s} step {med['step']:8.3f}  composed {med['composed']:8.3f}  kernels {ksum:8.3f} ({parts})  "
+        print(f"{name:15s} step {med['step']:8.3f}  composed {med['composed']:8.3f}  single {med['single']:8.3f}  kernels {ksum:8.3f} ({parts})  "
               f"empty {med['empty']:.3f}  step/kernels {ratio:.3f}  step/(kernels+empty) {ratio_e:.3f}  "
-              f"composed/kernels {ratio_c:.3f}", flush=True)
+              f"composed/kernels {ratio_c:.3f}  | p10: step {p10['step']:.3f} composed {p10['composed']:.3f} "
+              f"kernels {sum(p10[k] for k in kernels):.3f} step/kernels {ratio_p10:.3f}", flush=True)
         del calls
     if args.json:
         with open(args.json, "w") as f:
