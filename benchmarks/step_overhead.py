@@ -15,7 +15,9 @@ state). Per case, in turns (one call of each, over and over, so that all see the
 Cold state: the decode and spec pools are 4x a 32 MiB LLC and every call takes the next disjoint
 slot set. Prints medians (ms) and the ratios step / kernels and step / (kernels + empty); with
 --repeats R, the median over R runs of each median (and of each 10th percentile: on a shared
-host the low percentile is the steadier estimate of a call's own cost).
+host the low percentile is the steadier estimate of a call's own cost), the ratios paired per round
+(a round's calls run within milliseconds of each other, so a slowly drifting load cancels), and
+the same for the process CPU time of each call (all threads; not inflated by waiting for a core).
 
     PYTHONPATH=. python benchmarks/step_overhead.py [--cases decode_b1,prefill_2048] [--repeats 3]
 """
@@ -178,16 +180,25 @@ def measure(calls, target_s, min_iters=7, max_iters=3000):
             c()
     names = list(calls)
     times = {n: [] for n in names}
+    cpu = {n: [] for n in names}
     t_end = time.perf_counter() + target_s
     r = 0
     while r < min_iters or (time.perf_counter() < t_end and r < max_iters):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             calls[n]()
             times[n].append((time.perf_counter() - t0) * 1e3)
+            cpu[n].append((time.process_time() - c0) * 1e3)
         r += 1
     return ({n: float(np.median(v)) for n, v in times.items()},
-            {n: float(np.percentile(v, 10)) for n, v in times.items()})
+            {n: float(np.percentile(v, 10)) for n, v in times.items()}, {n: np.asarray(v) for n, v in times.items()},
+            {n: np.asarray(v) for n, v in cpu.items()})
+
+
+def paired(times, num, den):
+    """Median over rounds of num's time / the sum of den's times in the same round: the load a
+    shared host adds drifts slowly, and a round's calls run within milliseconds of each other."""
+    return float(np.median(times[num] / sum(times[d] for d in den)))
 
 
 CASES = ["decode_b1_f32", "decode_b8_f32", "decode_b8_bf16", "spec_8x4_f32", "spec_8x4_bf16", "prefill_2048",
@@ -209,8 +220,13 @@ def main(argv=None):
         calls, kernels = case(name, rng)
         target = args.target * (4 if name.startswith("prefill") else 1)
         both = [measure(calls, target) for _ in range(args.repeats)]
-        runs = [m for m, _ in both]
-        p10 = {n: float(np.median([p[n] for _, p in both])) for n in calls}
+        runs = [m[0] for m in both]
+        p10 = {n: float(np.median([m[1][n] for m in both])) for n in calls}
+        pairs = (("step", kernels), ("composed", kernels), ("step", ("composed",)), ("single", ("step",)),
+                 ("step", kernels + ("empty",)))
+        pr = {f"{a}/{'+'.join(b)}": float(np.median([paired(m[2], a, b) for m in both])) for a, b in pairs}
+        pr_cpu = {f"{a}/{'+'.join(b)}": float(np.median([paired(m[3], a, b) for m in both])) for a, b in pairs}
+        cpu_med = {n: float(np.median([np.median(m[3][n]) for m in both])) for n in calls}
         ratio_p10 = p10["step"] / sum(p10[k] for k in kernels)
         med = {n: float(np.median([r[n] for r in runs])) for n in calls}
         ksum = float(np.median([sum(r[k] for k in kernels) for r in runs]))
@@ -219,12 +235,16 @@ def main(argv=None):
         ratio_c = float(np.median([r["composed"] / sum(r[k] for k in kernels) for r in runs]))
         results[name] = dict(medians=med, kernels=list(kernels), kernel_sum=ksum, step_over_kernels=ratio,
                              step_over_kernels_plus_empty=ratio_e, composed_over_kernels=ratio_c,
-                             p10=p10, step_over_kernels_p10=ratio_p10, runs=runs)
+                             p10=p10, step_over_kernels_p10=ratio_p10, paired=pr, paired_cpu=pr_cpu,
+                             cpu_medians=cpu_med, runs=runs)
         parts = " + ".join(f"{k} {med[k]:.3f}" for k in kernels)
         print(f"{name:15s} step {med['step']:8.3f}  composed {med['composed']:8.3f}  single {med['single']:8.3f}  kernels {ksum:8.3f} ({parts})  "
               f"empty {med['empty']:.3f}  step/kernels {ratio:.3f}  step/(kernels+empty) {ratio_e:.3f}  "
               f"composed/kernels {ratio_c:.3f}  | p10: step {p10['step']:.3f} composed {p10['composed']:.3f} "
               f"kernels {sum(p10[k] for k in kernels):.3f} step/kernels {ratio_p10:.3f}", flush=True)
+        print("    paired ratios (median over rounds): " + "  ".join(f"{k} {v:.3f}" for k, v in pr.items()), flush=True)
+        print("    CPU time (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in cpu_med.items()), flush=True)
+        print("    paired CPU-time ratios: " + "  ".join(f"{k} {v:.3f}" for k, v in pr_cpu.items()), flush=True)
         del calls
     if args.json:
         with open(args.json, "w") as f:

@@ -17,7 +17,12 @@ Every step has the signature ::
 One compiled program per (T, S) bucket serves every mix of rows: row kinds, lengths, slots
 and accepted counts are data. The config is bound statically by :class:`GDNAttention`.
 
-How the mixed step runs (each pool flows through the ops once, so XLA updates it in place):
+How a step runs. Natively (the CPU): the batch check (``batch_status``, one native call),
+then one native call (``gdn_jax_step``, ffi/src/handlers/step.cc) that checks the batch again,
+runs conv + gating + chunk for the prefill rows and conv update + recurrence for the decode
+and spec rows, each kernel writing only its rows' tokens of the one output; nothing else of
+size T x D or pool size is compiled around it. The reference (``_run_ops``, each pool flowing
+through the ops once, so XLA updates it in place):
 
 1. ``causal_conv1d_fwd`` over every row, non-prefill rows masked to PAD_SLOT_ID; then
    ``causal_conv1d_update`` (rolling buffer, ``num_accepted_tokens``) over every row, prefill
@@ -34,7 +39,8 @@ then). A bad batch (data) is caught by :func:`gdn_jax.batch.batch_status` inside
 host wrappers check it and raise :class:`gdn_jax.InvalidBatchError` whose ``caches`` holds
 the returned, unchanged cache, so a caller who donated its cache keeps serving. The step's
 validation covers every check the kernels make (and more: row kinds, one slot across all
-ops), so the ops' own statuses can only fire if the two disagree; they are reported too.
+ops), so the ops' (or the native step call's) own statuses can only fire if the two disagree;
+they are reported too.
 """
 from __future__ import annotations
 
@@ -101,7 +107,8 @@ def _check_inputs(config: GDNConfig, mixed_qkv, b, a, params, cache, batch) -> i
 
 def _run_ops(config: GDNConfig, impl: str, kind: str, x, b, a, params: GDNParams, cache: GDNCache,
              batch: BatchMetadata):
-    """The ops of one step on a validated batch: (out [T, HV, V], cache, first op status)."""
+    """The ops of one step on a validated batch: (out [T, HV, V], cache, first op status). The
+    reference path (native steps: _run_native), and the composition the native call is tested against."""
     kinds = STEP_KINDS[kind]
     has_prefill = ROW_PREFILL in kinds
     has_recurrent = ROW_DECODE in kinds or ROW_SPEC in kinds
