@@ -2,7 +2,7 @@
 
 At Qwen3-Next-80B per-layer shapes (H=16, HV=32, K=V=128, D=8192, W=4, bf16 activations):
 decode B=1 and B=8, spec 8 rows x 4 tokens (f32 and bf16 state), prefill T=2048 and 8192 (f32
-state). Per case, in turns (one call of each, over and over, so that all see the same machine):
+state), and the mixed step over a 2048-token bucket (a 2040-token prefill and 8 decode rows). Per case, in turns (one call of each, over and over, so that all see the same machine):
 
 * step:     GDNAttention.<kind>_with_status (the native step: batch check + one call);
 * composed: the same step as the op composition it replaced (paths._run_ops: the kernels one by
@@ -134,6 +134,8 @@ def case(name, rng):
         calls["conv_update"] = Cycle(conv, (x,), conv_pool, col0, 1)
         calls["recurrence"] = Cycle(rec, (), ssm_pool, [m.state_indices for m in metas], 0)
         kernels = ("conv_update", "recurrence")
+    elif name.startswith("mixed"):
+        return mixed_case(name, rng)
     else:
         T = int(name.split("_")[1])
         cfg = _cfg(0, jnp.float32)
@@ -162,6 +164,62 @@ def case(name, rng):
         calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32),
                                [None], 0)
         kernels = ("conv_fwd", "gating", "chunk")
+    return _with_empty(calls), kernels
+
+
+def mixed_case(name, rng):
+    """gdn_attention_core over a T-token bucket: one prefill row of T - 8 tokens and 8 decode rows
+    (f32 state): the step kind whose composition summed two masked outputs of T x D and T x HV x V.
+    Its kernels: conv_fwd + conv_update + gating + chunk + recurrence on the rows they own."""
+    T = int(name.split("_")[1])
+    cfg = _cfg(0, jnp.float32)
+    N = 12
+    hb = build_batch([Request.prefill(0, T - 8)] + [Request.decode(1 + i) for i in range(8)], num_slots=N,
+                     num_spec=0, token_bucket=T, row_bucket=9)
+    meta = hb.metadata.to_device()
+    x, b, a = _rnd(rng, (T, D)), _rnd(rng, (T, HV)), _rnd(rng, (T, HV))
+    params = GDNParams.random(cfg, jax.random.key(0))
+    attn = GDNAttention(cfg, impl="native")
+    calls = {"step": Cycle(attn.gdn_attention_core_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
+             "composed": Cycle(composed(cfg, "gdn_attention_core"), (x, b, a, params), GDNCache.create(cfg, N),
+                               [meta], 4),
+             "single": Cycle(single(cfg, "gdn_attention_core"), (x, b, a, params), GDNCache.create(cfg, N), [meta],
+                             4)}
+    # Prefill kernels on the prefill tokens, decode kernels on the 8 decode tokens (rows in vLLM's
+    # order: decode rows first).
+    dec, pre = slice(0, 8), slice(8, T)
+    qsl_p = jnp.asarray([0, T - 8], jnp.int32)
+    one = jnp.asarray([0], jnp.int32)
+    hs = jnp.asarray([False])
+    conv = jax.jit(lambda x, pool: ops.causal_conv1d_fwd(
+        x, weight=params.conv_weight, bias=None, conv_state=pool, query_start_loc=qsl_p, state_indices=one,
+        has_initial_state=hs), donate_argnums=1)
+    upd = jax.jit(lambda x, pool: ops.causal_conv1d_update(
+        x, weight=params.conv_weight, bias=None, conv_state=pool, state_indices=jnp.arange(1, 9, dtype=jnp.int32)),
+        donate_argnums=1)
+    gate = jax.jit(lambda a, b: ops.fused_gdn_gating(a, b, A_log=params.A_log, dt_bias=params.dt_bias))
+    qh, kh, vh = _rnd(rng, (T - 8, H, K)), _rnd(rng, (T - 8, H, K)), _rnd(rng, (T - 8, HV, V))
+    g, beta = gate(a[pre], b[pre])
+    chunk = jax.jit(lambda pool: ops.chunk_gated_delta_rule(
+        qh, kh, vh, g=g, beta=beta, ssm_state=pool, query_start_loc=qsl_p, state_indices=one,
+        has_initial_state=hs), donate_argnums=0)
+    qd, kd, vd = _rnd(rng, (8, H, K)), _rnd(rng, (8, H, K)), _rnd(rng, (8, HV, V))
+    rec = jax.jit(lambda pool: ops.fused_sigmoid_gating_delta_rule_update(
+        qd, kd, vd, a=a[dec], b=b[dec], A_log=params.A_log, dt_bias=params.dt_bias, ssm_state=pool,
+        state_indices=jnp.arange(1, 9, dtype=jnp.int32)), donate_argnums=0)
+    xp, xd, ap, bp = x[pre], x[dec], a[pre], b[pre]
+    calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (xp,), jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16),
+                              [None], 1)
+    calls["conv_update"] = Cycle(lambda x, pool, _: upd(x, pool), (xd,),
+                                 jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16), [None], 1)
+    calls["gating"] = lambda: jax.block_until_ready(gate(ap, bp))
+    calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32), [None], 0)
+    calls["recurrence"] = Cycle(lambda pool, _: rec(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32), [None],
+                                0)
+    return _with_empty(calls), ("conv_fwd", "conv_update", "gating", "chunk", "recurrence")
+
+
+def _with_empty(calls):
     empty = jax.jit(lambda z: z, donate_argnums=0)
     box = [jnp.zeros((1,), jnp.int32)]
 
@@ -170,7 +228,7 @@ def case(name, rng):
         jax.block_until_ready(box[0])
 
     calls["empty"] = empty_call
-    return calls, kernels
+    return calls
 
 
 def measure(calls, target_s, min_iters=7, max_iters=3000):
@@ -202,7 +260,7 @@ def paired(times, num, den):
 
 
 CASES = ["decode_b1_f32", "decode_b8_f32", "decode_b8_bf16", "spec_8x4_f32", "spec_8x4_bf16", "prefill_2048",
-         "prefill_8192"]
+         "prefill_8192", "mixed_2048"]
 
 
 def main(argv=None):
@@ -218,7 +276,7 @@ def main(argv=None):
           f"{jax.devices()[0].device_kind}; medians in ms", flush=True)
     for name in args.cases.split(","):
         calls, kernels = case(name, rng)
-        target = args.target * (4 if name.startswith("prefill") else 1)
+        target = args.target * (4 if name.startswith(("prefill", "mixed")) else 1)
         both = [measure(calls, target) for _ in range(args.repeats)]
         runs = [m[0] for m in both]
         p10 = {n: float(np.median([m[1][n] for m in both])) for n in calls}
