@@ -1,0 +1,512 @@
+"""GDN sharded over a ``jax.sharding.Mesh``: tensor parallelism over whole key-head groups
+(axis ``"model"``) and data parallelism over requests and cache slots (axis ``"data"``).
+
+Runs on JAX's own engine: ``shard_map`` around the unsharded traceable step (the native
+custom calls then run once per shard on its local arrays), XLA collectives for the two
+reductions (the batch status, and in the layer the out_proj sum), ``jax.distributed`` for
+several processes. Nothing here moves a pool between devices.
+
+**Model axis (tp).** Shard ``r`` of ``tp`` owns key heads ``[r*H/tp, (r+1)*H/tp)``, their
+value heads ``[r*HV/tp, (r+1)*HV/tp)`` (value head h uses key head h // G, so a key-head
+group's value heads are contiguous), the q, k, v (and z) channels of those heads, their
+``A_log`` / ``dt_bias`` entries, their heads of the SSM state and their channels of the
+conv state. ``tp`` must divide H (whole groups; ``ValueError`` naming tp and H otherwise:
+uneven groups would need padding, as vLLM's head_partition does, and are not supported).
+Each shard's core sees a plain local ``[q_r | k_r | v_r]``: globally the conv channels are
+kept in **shard-major order** ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (:func:`qkv_channel_order`),
+so that a contiguous 1/tp slice of D is one shard's channels. The conv weight and the conv
+state use that order; the layer's in_proj rows are permuted to it once at load time, so the
+projection produces it directly. A caller with plain-order activations converts them with
+:func:`to_shard_major` (a gather of activations, never of a pool).
+
+**Data axis (dp).** Data shard ``d`` owns cache slots ``[d*N, (d+1)*N)`` of the global pool
+(``N`` = slots per data shard) and the requests living in them. Its batch names **local**
+slot ids ``0..N-1`` (global slot ``g`` = ``d*N + local``): :func:`build_sharded_batch` routes
+requests named by global slots and converts. Token arrays are ``[dp*T, ...]`` with shard ``d``'s
+bucket at rows ``[d*T, (d+1)*T)``; batch fields carry a leading ``[dp]`` axis.
+
+**Validation stays global.** Every shard checks its own batch; the statuses are combined
+with two tiny all-reduces *before any op runs*, and a batch refused anywhere runs as an
+all-padding batch on every shard: nothing is written anywhere and every cache comes back
+bit-identical. Status vectors here are ``int32[5] = (code, row, value, aux, data_shard)``
+of the first failing shard in mesh order (row, value and aux as in the unsharded step, in
+that shard's local terms).
+
+Shapes in the docstrings: global (what the caller holds), with ``dp`` data shards of T
+tokens, S rows and N slots each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import _checks, paths
+from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, HostBatch, batch_status, build_batch, \
+    status_message
+from .config import GDNCache, GDNConfig, GDNParams
+
+__all__ = [
+    "DATA",
+    "MODEL",
+    "make_mesh",
+    "mesh_shape",
+    "shard_map",
+    "local_config",
+    "qkv_channel_order",
+    "to_shard_major",
+    "from_shard_major",
+    "place",
+    "create_cache",
+    "ShardedHostBatch",
+    "build_sharded_batch",
+    "ShardedGDNAttention",
+    "sharded_status_message",
+]
+
+DATA, MODEL = "data", "model"
+
+
+# ---------------------------------------------------------------------------------------
+# mesh and shard_map
+# ---------------------------------------------------------------------------------------
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
+    """A ``(dp, tp)`` mesh with axes ``("data", "model")`` over ``devices`` (default: the
+    first dp*tp of ``jax.devices()``, every process's devices under jax.distributed).
+
+    Devices of one process are adjacent along "model" when tp fits in a process, so the
+    out_proj reduction stays inside a process where it can.
+    """
+    tp, dp = _positive("tp", tp), _positive("dp", dp)
+    devs = list(jax.devices() if devices is None else devices)
+    if len(devs) < tp * dp:
+        raise ValueError(f"make_mesh: dp*tp = {dp}*{tp} = {dp * tp} devices needed, {len(devs)} available")
+    return Mesh(np.array(devs[:tp * dp], dtype=object).reshape(dp, tp), (DATA, MODEL))
+
+
+def mesh_shape(mesh: Mesh) -> tuple[int, int]:
+    """(dp, tp) of a mesh made by :func:`make_mesh` (a missing axis counts as 1)."""
+    shape = dict(mesh.shape)
+    extra = set(shape) - {DATA, MODEL}
+    if extra:
+        raise ValueError(f"mesh axes must be {DATA!r} and {MODEL!r}, got {tuple(mesh.axis_names)}")
+    return int(shape.get(DATA, 1)), int(shape.get(MODEL, 1))
+
+
+def _positive(name, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+@functools.lru_cache(maxsize=1)
+def _shard_map_impl():
+    """(shard_map, name of its replication-check flag) for the installed jax (0.5.3 .. 0.11)."""
+    fn = getattr(jax, "shard_map", None)
+    if fn is None:
+        from jax.experimental.shard_map import shard_map as fn
+    params = inspect.signature(fn).parameters
+    return fn, ("check_vma" if "check_vma" in params else "check_rep")
+
+
+def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
+    """``shard_map`` of the installed jax with its replication check off (the custom calls
+    carry no replication rule; every output spec here names its axes explicitly)."""
+    fn, flag = _shard_map_impl()
+    return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{flag: False})
+
+
+# ---------------------------------------------------------------------------------------
+# per-shard channel order
+# ---------------------------------------------------------------------------------------
+
+
+def local_config(config: GDNConfig, tp: int) -> GDNConfig:
+    """The config one of ``tp`` model shards runs: H/tp key heads, HV/tp value heads.
+
+    Raises ValueError naming tp and H when tp does not divide H (shards own whole key-head
+    groups).
+    """
+    tp = _positive("tp", tp)
+    if config.H % tp:
+        raise ValueError(f"tp={tp} does not divide the key heads H={config.H}: every model shard owns whole "
+                         f"key-head groups (H/tp key heads and their HV/tp value heads); choose tp among the "
+                         f"divisors of H")
+    return dataclasses.replace(config, num_k_heads=config.H // tp, num_v_heads=config.HV // tp)
+
+
+@functools.lru_cache(maxsize=64)
+def _order(H: int, HV: int, K: int, V: int, tp: int) -> np.ndarray:
+    hk, hk_r, hv_r = H * K, H * K // tp, HV * V // tp
+    parts = []
+    for r in range(tp):
+        parts += [np.arange(r * hk_r, (r + 1) * hk_r),                    # q of shard r
+                  hk + np.arange(r * hk_r, (r + 1) * hk_r),               # k
+                  2 * hk + np.arange(r * hv_r, (r + 1) * hv_r)]           # v
+    order = np.concatenate(parts).astype(np.int32)
+    order.setflags(write=False)
+    return order
+
+
+def qkv_channel_order(config: GDNConfig, tp: int) -> np.ndarray:
+    """int32 [D]: the plain channel (``[q heads | k heads | v heads]``) at each position of the
+    shard-major order ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``: ``shard_major = plain[..., order]``.
+    Built once per (dims, tp) and cached."""
+    local_config(config, tp)
+    return _order(config.H, config.HV, config.K, config.V, int(tp))
+
+
+def to_shard_major(x, config: GDNConfig, tp: int, axis: int = -1):
+    """Plain-order channels (mixed_qkv [T, D], conv weight [D, W], ...) -> shard-major."""
+    return jnp.take(x, jnp.asarray(qkv_channel_order(config, tp)), axis=axis)
+
+
+def from_shard_major(x, config: GDNConfig, tp: int, axis: int = -1):
+    """Inverse of :func:`to_shard_major` (NumPy in, NumPy out; for checks and exports)."""
+    inv = np.argsort(qkv_channel_order(config, tp))
+    return np.take(np.asarray(x), inv, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------
+# placement and specs
+# ---------------------------------------------------------------------------------------
+
+
+def place(host, mesh: Mesh, spec: P) -> jax.Array:
+    """A global array with ``spec`` on ``mesh`` from a host array every process holds whole;
+    each process copies only the slices of its own devices (works under jax.distributed)."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
+
+
+def _conv_state_spec(config: GDNConfig) -> P:
+    return P(DATA, None, MODEL) if config.conv_state_layout == "SD" else P(DATA, MODEL, None)
+
+
+def cache_specs(config: GDNConfig) -> GDNCache:
+    """PartitionSpecs of the pools: slots over "data", channels / value heads over "model"."""
+    return GDNCache(conv_state=_conv_state_spec(config), ssm_state=P(DATA, MODEL))
+
+
+def core_param_specs(params: GDNParams) -> GDNParams:
+    return GDNParams(A_log=P(MODEL), dt_bias=P(MODEL), conv_weight=P(MODEL),
+                     conv_bias=None if params.conv_bias is None else P(MODEL))
+
+
+BATCH_SPECS = BatchMetadata(*(P(DATA),) * 6)
+
+
+def create_cache(config: GDNConfig, mesh: Mesh, num_slots: int) -> GDNCache:
+    """Zero pools created sharded (each device allocates only its block; nothing is
+    gathered): conv_state ``[dp*N, L, D]`` ("SD"; "DS": ``[dp*N, D, L]``) with channels in
+    shard-major order, ssm_state ``[dp*N, HV, K, V]``. ``num_slots`` = N, per data shard."""
+    dp, tp = mesh_shape(mesh)
+    local_config(config, tp)
+    N = _positive("num_slots", num_slots)
+    specs = cache_specs(config)
+    shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    make = jax.jit(lambda: GDNCache.create(config, dp * N),
+                   out_shardings=GDNCache(conv_state=shard(specs.conv_state), ssm_state=shard(specs.ssm_state)))
+    return make()
+
+
+def shard_core_params(params: GDNParams, config: GDNConfig, mesh: Mesh) -> GDNParams:
+    """Full (plain-order) core params -> sharded: conv weight/bias rows in shard-major order
+    over "model", A_log / dt_bias split by value head."""
+    params.validate(config)
+    _, tp = mesh_shape(mesh)
+    order = qkv_channel_order(config, tp)
+    specs = core_param_specs(params)
+    conv_bias = None if params.conv_bias is None else place(np.asarray(params.conv_bias)[order], mesh,
+                                                            specs.conv_bias)
+    return GDNParams(A_log=place(params.A_log, mesh, specs.A_log), dt_bias=place(params.dt_bias, mesh, specs.dt_bias),
+                     conv_weight=place(np.asarray(params.conv_weight)[order], mesh, specs.conv_weight),
+                     conv_bias=conv_bias)
+
+
+# ---------------------------------------------------------------------------------------
+# host side: requests with global slots -> one batch per data shard
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ShardedHostBatch:
+    """One step's batches, one per data shard, with the same (T, S) bucket.
+
+    Attributes:
+      shards: per data shard, the :class:`HostBatch` of its requests (local slot ids).
+      metadata: :class:`BatchMetadata` whose fields carry a leading ``[dp]`` axis (NumPy).
+      placement: per request (caller's order), ``(data shard, index in that shard's batch)``.
+      token_bucket, row_bucket: T and S of every shard.
+    """
+
+    shards: tuple
+    metadata: BatchMetadata
+    placement: tuple
+    token_bucket: int
+    row_bucket: int
+
+    @property
+    def num_data(self) -> int:
+        return len(self.shards)
+
+    def pack(self, per_request: Sequence[Any], dtype=None) -> np.ndarray:
+        """Per-request token arrays (caller's order) -> ``[dp*T, ...]`` (shard d at rows [d*T, (d+1)*T))."""
+        if len(per_request) != len(self.placement):
+            raise ValueError(f"pack: got {len(per_request)} arrays for {len(self.placement)} requests")
+        arrs = [np.asarray(a) for a in per_request]
+        if not arrs:
+            raise ValueError("pack: no requests, so the trailing shape is unknown; build zeros directly")
+        dt = dtype if dtype is not None else arrs[0].dtype
+        out = []
+        for d, hb in enumerate(self.shards):
+            mine = [arrs[i] for i, (dd, _) in enumerate(self.placement) if dd == d]
+            out.append(hb.pack(mine, dtype=dt) if mine else
+                       np.zeros((self.token_bucket,) + arrs[0].shape[1:], dt))
+        return np.concatenate(out, axis=0)
+
+    def unpack(self, tokens) -> list:
+        """A ``[dp*T, ...]`` step output -> per-request arrays (caller's order)."""
+        t = np.asarray(tokens)
+        T = self.token_bucket
+        parts = [hb.unpack(t[d * T:(d + 1) * T]) for d, hb in enumerate(self.shards)]
+        return [parts[d][j] for d, j in self.placement]
+
+
+def build_sharded_batch(requests, *, num_slots: int, num_data: int, num_spec: int = 0, token_bucket,
+                        row_bucket) -> ShardedHostBatch:
+    """Route requests named by **global** slots to their data shards and build each shard's
+    batch with local slot ids (global slot ``g`` lives in shard ``g // num_slots`` as local
+    slot ``g % num_slots``). Every shard gets the smallest bucket that fits the largest shard.
+
+    Args: as :func:`gdn_jax.build_batch`, with ``num_slots`` = N per data shard and
+      ``num_data`` = dp. Raises ValueError naming the request for a slot outside
+      ``[0, dp*N)`` or a request whose slots span two data shards, and everything
+      :func:`gdn_jax.build_batch` refuses.
+    """
+    N, dp = _positive("num_slots", num_slots), _positive("num_data", num_data)
+    groups = [[] for _ in range(dp)]
+    placement = []
+    for i, rq in enumerate(requests):
+        slots = (rq.slots,) if isinstance(rq.slots, (int, np.integer)) else tuple(rq.slots)
+        owners = {int(s) // N for s in slots}
+        bad = [int(s) for s in slots if not 0 <= int(s) < dp * N]
+        if bad:
+            raise ValueError(f"request {i} (id={rq.id!r}): slot {bad[0]} is outside [0, dp*N = {dp * N})")
+        if len(owners) != 1:
+            raise ValueError(f"request {i} (id={rq.id!r}): slots {slots} span data shards {sorted(owners)}; a "
+                             f"request's slots must lie in one shard's range [d*N, (d+1)*N), N = {N}")
+        d = owners.pop()
+        placement.append((d, len(groups[d])))
+        groups[d].append(dataclasses.replace(rq, slots=tuple(int(s) - d * N for s in slots)))
+    # One bucket for all shards: the one the fullest shard needs.
+    need_t = max(sum(int(r.num_tokens) for r in g) for g in groups)
+    need_s = max(len(g) for g in groups)
+    T = _fit(token_bucket, need_t, "tokens")
+    S = _fit(row_bucket, need_s, "rows")
+    shards = tuple(build_batch(g, num_slots=N, num_spec=num_spec, token_bucket=T, row_bucket=S) for g in groups)
+    meta = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                                  *[hb.metadata for hb in shards])
+    return ShardedHostBatch(shards=shards, metadata=meta, placement=tuple(placement), token_bucket=T, row_bucket=S)
+
+
+def _fit(buckets, need, what) -> int:
+    if isinstance(buckets, (int, np.integer)):
+        return int(buckets)      # build_batch reports an overflow, naming the bucket
+    fits = sorted(int(b) for b in buckets if int(b) >= need)
+    return fits[0] if fits else max(int(b) for b in buckets)
+
+
+# ---------------------------------------------------------------------------------------
+# global status (inside shard_map)
+# ---------------------------------------------------------------------------------------
+
+
+def _global_status(status, dp: int, tp: int):
+    """int32[4] per shard -> int32[5] (status, data shard) of the first failing shard in mesh
+    order, the same on every shard. One all-reduce of dp*tp*5 int32 (each shard fills its
+    row): a latency-bound collective, so one call beats a pmin followed by a psum."""
+    d = jax.lax.axis_index(DATA)
+    me = d * tp + jax.lax.axis_index(MODEL)
+    mine = jnp.concatenate([status.astype(jnp.int32), d[None].astype(jnp.int32)])
+    table = jax.lax.psum(jnp.zeros((dp * tp, 5), jnp.int32).at[me].set(mine), (DATA, MODEL))
+    bad = table[:, 0] != 0
+    return jnp.where(jnp.any(bad), table[jnp.argmax(bad)], 0)
+
+
+def sharded_status_message(op: str, status) -> Optional[str]:
+    """Text of a sharded status ``int32[5]``, or None if OK."""
+    st = np.asarray(status).reshape(-1)
+    msg = status_message(op, st[:4])
+    if msg is None:
+        return None
+    return msg.replace(f"gdn_jax.{op}: ", f"gdn_jax.{op} (data shard {int(st[4])}): ", 1)
+
+
+def check_sharded_status(op: str, status, caches=None) -> None:
+    """Raise :class:`gdn_jax.InvalidBatchError` (``.caches`` = the unchanged caches) on an error."""
+    msg = sharded_status_message(op, status)
+    if msg:
+        raise _checks.InvalidBatchError(msg, caches=caches)
+
+
+def _squeeze_batch(batch: BatchMetadata) -> BatchMetadata:
+    """A data shard's block of the stacked batch ([1, ...] fields) -> its own BatchMetadata."""
+    return jax.tree_util.tree_map(lambda x: x[0], batch)
+
+
+# ---------------------------------------------------------------------------------------
+# the sharded core
+# ---------------------------------------------------------------------------------------
+
+
+def _core_shard(config: GDNConfig, impl: str, kind: str, dp: int, tp: int, x, b, a, params, cache, batch):
+    """One shard's step: validate locally, agree globally, then run the unsharded step."""
+    batch = _squeeze_batch(batch)
+    st = batch_status(batch, num_tokens=x.shape[0], num_slots=cache.num_slots, kinds=paths.STEP_KINDS[kind],
+                      impl=impl)
+    st = _global_status(st, dp, tp)
+    out, cache, op_st = paths._step(config, impl, kind, x, b, a, params, cache,
+                                    paths._neutralise(batch, st[0] == 0))
+    op_st = _global_status(op_st, dp, tp)
+    return out, cache, jnp.where(st[0] != 0, st, op_st)
+
+
+def _commit_shard(config: GDNConfig, impl: str, dp: int, tp: int, cache, spec_state_indices, num_accepted_tokens):
+    idx, acc = spec_state_indices[0], num_accepted_tokens[0]
+    S = idx.shape[0]
+    live = idx[:, 0] != PAD_SLOT_ID
+    # The check paths._commit makes (a spec step of zero-length rows), made here first so
+    # that every shard can refuse before any shard writes.
+    meta = BatchMetadata(query_start_loc=jnp.zeros((S + 1,), jnp.int32), state_indices=idx,
+                         row_kind=jnp.where(live, ROW_SPEC, ROW_PAD).astype(jnp.int32),
+                         has_initial_state=jnp.ones((S,), bool), num_accepted_tokens=acc,
+                         num_tokens=jnp.zeros((), jnp.int32))
+    st = batch_status(meta, num_tokens=0, num_slots=cache.num_slots, kinds=(ROW_PAD, ROW_SPEC), impl=impl)
+    st = _global_status(st, dp, tp)
+    ok = st[0] == 0
+    cache, op_st = paths._commit(config, impl, cache, jnp.where(ok, idx, PAD_SLOT_ID), jnp.where(ok, acc, 1))
+    op_st = _global_status(op_st, dp, tp)
+    return cache, jnp.where(st[0] != 0, st, op_st)
+
+
+def _place_if_host(x, mesh, spec):
+    return x if isinstance(x, jax.Array) else place(x, mesh, spec)
+
+
+def _place_batch(batch, mesh):
+    meta = batch.metadata if isinstance(batch, ShardedHostBatch) else batch
+    if not isinstance(meta, BatchMetadata):
+        raise TypeError(f"batch must be a ShardedHostBatch or a stacked BatchMetadata, got {type(batch).__name__}")
+    return jax.tree_util.tree_map(lambda x: _place_if_host(x, mesh, P(DATA)), meta)
+
+
+class ShardedGDNAttention:
+    """:class:`gdn_jax.GDNAttention` over a ``("data", "model")`` mesh.
+
+    Steps (global shapes; dp data shards of T tokens, S rows, N slots)::
+
+        step(mixed_qkv [dp*T, D] shard-major, b [dp*T, HV], a [dp*T, HV], params, cache, batch)
+            -> (out [dp*T, HV, V], cache)
+
+    * ``mixed_qkv``: channels in shard-major order (:func:`to_shard_major`), sharded
+      ``P("data", "model")``; b, a: value heads over "model"; out likewise.
+    * ``params``: from :meth:`shard_params`; ``cache``: from :meth:`create_cache`
+      (donated: continue with the returned one); ``batch``: :class:`ShardedHostBatch` or its
+      stacked metadata.
+    * ``*_with_status``: the jitted functions ``-> (out, cache, status int32[5])``;
+      ``commit_accepted(cache, spec_state_indices [dp, S, C], num_accepted_tokens [dp, S])``.
+    Host arrays (NumPy) given to the host wrappers are placed with the right sharding.
+    """
+
+    def __init__(self, config: GDNConfig, mesh: Mesh, impl: str = "auto"):
+        if not isinstance(config, GDNConfig):
+            raise TypeError(f"config must be a GDNConfig, got {type(config).__name__}")
+        self.config, self.mesh, self.impl = config, mesh, impl
+        self.dp, self.tp = mesh_shape(mesh)
+        self.local = local_config(config, self.tp)
+        for kind in paths.STEP_KINDS:
+            setattr(self, f"{kind}_with_status", self._make_step(kind))
+        self.commit_accepted_with_status = self._make_commit()
+
+    def __repr__(self) -> str:
+        return f"ShardedGDNAttention({self.config!r}, dp={self.dp}, tp={self.tp}, impl={self.impl!r})"
+
+    # --- specs ---
+    x_spec = P(DATA, MODEL)
+    out_spec = P(DATA, MODEL, None)
+
+    def _make_step(self, kind):
+        cfg, impl, dp, tp, mesh = self.local, self.impl, self.dp, self.tp, self.mesh
+        c_specs = cache_specs(cfg)
+
+        def step(mixed_qkv, b, a, params, cache, batch):
+            f = shard_map(functools.partial(_core_shard, cfg, impl, kind, dp, tp), mesh=mesh,
+                          in_specs=(self.x_spec, self.x_spec, self.x_spec, core_param_specs(params), c_specs,
+                                    BATCH_SPECS),
+                          out_specs=(self.out_spec, c_specs, P()))
+            return f(mixed_qkv, b, a, params, cache, batch)
+
+        step.__name__ = f"gdn_sharded_{kind}"
+        return jax.jit(step, donate_argnames="cache")
+
+    def _make_commit(self):
+        cfg, impl, dp, tp, mesh = self.local, self.impl, self.dp, self.tp, self.mesh
+        c_specs = cache_specs(cfg)
+
+        def commit(cache, spec_state_indices, num_accepted_tokens):
+            f = shard_map(functools.partial(_commit_shard, cfg, impl, dp, tp), mesh=mesh,
+                          in_specs=(c_specs, P(DATA), P(DATA)), out_specs=(c_specs, P()))
+            return f(cache, spec_state_indices, num_accepted_tokens)
+
+        return jax.jit(commit, donate_argnames="cache")
+
+    # --- set-up ---
+    def create_cache(self, num_slots: int) -> GDNCache:
+        """Sharded zero pools, ``num_slots`` per data shard (see :func:`create_cache`)."""
+        return create_cache(self.config, self.mesh, num_slots)
+
+    def shard_params(self, params: GDNParams) -> GDNParams:
+        """Full plain-order params -> sharded (see :func:`shard_core_params`)."""
+        return shard_core_params(params, self.config, self.mesh)
+
+    # --- host wrappers ---
+    def _host(self, kind, mixed_qkv, b, a, params, cache, batch):
+        m = self.mesh
+        out, cache, status = getattr(self, f"{kind}_with_status")(
+            _place_if_host(mixed_qkv, m, self.x_spec), _place_if_host(b, m, self.x_spec),
+            _place_if_host(a, m, self.x_spec), params, cache, _place_batch(batch, m))
+        check_sharded_status(kind, status, caches=cache)
+        return out, cache
+
+    def prefill(self, mixed_qkv, b, a, params, cache, batch):
+        return self._host("prefill", mixed_qkv, b, a, params, cache, batch)
+
+    def decode(self, mixed_qkv, b, a, params, cache, batch):
+        return self._host("decode", mixed_qkv, b, a, params, cache, batch)
+
+    def spec_decode(self, mixed_qkv, b, a, params, cache, batch):
+        return self._host("spec_decode", mixed_qkv, b, a, params, cache, batch)
+
+    def gdn_attention_core(self, mixed_qkv, b, a, params, cache, batch):
+        return self._host("gdn_attention_core", mixed_qkv, b, a, params, cache, batch)
+
+    __call__ = gdn_attention_core
+
+    def commit_accepted(self, cache, spec_state_indices, num_accepted_tokens):
+        """Sharded :meth:`gdn_jax.GDNAttention.commit_accepted`; indices ``[dp, S, C]`` (local
+        slots), ``num_accepted_tokens [dp, S]``."""
+        m = self.mesh
+        idx, acc = (x if isinstance(x, jax.Array) else place(np.asarray(x, np.int32), m, P(DATA))
+                    for x in (spec_state_indices, num_accepted_tokens))
+        cache, status = self.commit_accepted_with_status(cache, idx, acc)
+        check_sharded_status("commit_accepted", status, caches=cache)
+        return cache
