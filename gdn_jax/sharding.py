@@ -68,6 +68,8 @@ __all__ = [
     "build_sharded_batch",
     "ShardedGDNAttention",
     "sharded_status_message",
+    "check_sharded_status",
+    "host_value",
 ]
 
 DATA, MODEL = "data", "model"
@@ -342,9 +344,17 @@ def _global_status(status, dp: int, tp: int):
     return jnp.where(jnp.any(bad), table[jnp.argmax(bad)], 0)
 
 
+def host_value(x) -> np.ndarray:
+    """A replicated global array on the host (its first local copy: works when the array
+    spans devices of other processes, where ``np.asarray`` refuses)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(x)
+
+
 def sharded_status_message(op: str, status) -> Optional[str]:
     """Text of a sharded status ``int32[5]``, or None if OK."""
-    st = np.asarray(status).reshape(-1)
+    st = host_value(status).reshape(-1)
     msg = status_message(op, st[:4])
     if msg is None:
         return None

@@ -1,0 +1,360 @@
+"""Subprocess worker of tests/test_sharding.py (XLA flags and jax.distributed stay in here).
+
+    python tests/sharding_worker.py mesh [--impl native|reference] [--meshes 2x1,4x1,2x2]
+        one process, 4 forced CPU devices; each mesh "TPxDP" runs the serving sequence
+    python tests/sharding_worker.py dist --process-id I --num-processes 2 --port P
+        one of two processes joined by jax.distributed (CPU collectives), tp = 2 across them
+    python tests/sharding_worker.py hlo
+        the compiled sharded steps: no all-gather, no pool-sized copy, pools aliased in place
+
+The sequence (prefill across a chunk boundary, decode, two spec steps, commit_accepted, a
+mixed step, a refused step and a refused commit, a step after them) runs on the sharded
+engine and, on the same requests, on the unsharded :class:`gdn_jax.GDNAttention` (native)
+and the unsharded reference. After every step each process checks the shards it holds:
+outputs and both pools within 1e-6 relative RMSE of the unsharded native engine (f32), the
+outputs within the contract's f32 budget of the reference; after a refused step every pool
+shard is bit-identical to before. Prints one line per check; exits 1 on the first failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _setup(devices: int):
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "mesh"
+if MODE in ("mesh", "hlo"):
+    _setup(4)
+
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gdn_jax  # noqa: E402
+from gdn_jax import sharding as sh  # noqa: E402
+from gdn_jax.batch import Request, build_batch  # noqa: E402
+from gdn_jax.config import GDNCache, GDNConfig, GDNParams  # noqa: E402
+from gdn_jax import paths  # noqa: E402
+
+F32 = jnp.float32
+CFG = GDNConfig(4, 8, 16, 16, num_spec=2, act_dtype=F32)           # D = 256, G = 2
+CFG_DS = GDNConfig(4, 8, 16, 32, num_spec=2, act_dtype=F32, conv_state_layout="DS", conv_width=3)
+N, T, S = 8, 96, 4           # per data shard: slots, token bucket, row bucket
+TOL = 1e-6                   # the issue's bound against the unsharded engine (f32)
+REF_TOL = 1e-5               # contract.md's f32 budget (relative RMSE) for the reference
+
+
+def fail(msg):
+    print("FAIL", msg, flush=True)
+    sys.exit(1)
+
+
+# --- comparing the shards this process holds ------------------------------------------------
+
+
+def rel_rmse_local(arr: jax.Array, expect: np.ndarray) -> float:
+    """Relative RMSE of the shards of ``arr`` this process holds against the same slices of
+    the global ``expect``."""
+    num = den = 0.0
+    for shard in arr.addressable_shards:
+        got = np.asarray(shard.data, np.float64)
+        ref = np.asarray(expect[shard.index], np.float64)
+        if got.shape != ref.shape:
+            fail(f"shard {shard.index}: shape {got.shape} vs {ref.shape}")
+        num += float(np.sum((got - ref) ** 2))
+        den += float(np.sum(ref ** 2))
+    if not np.isfinite(num):
+        return float("inf")
+    return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
+
+
+def local_bits(arr: jax.Array) -> list:
+    return [(shard.index, np.array(shard.data)) for shard in arr.addressable_shards]
+
+
+def same_bits(before, arr) -> bool:
+    after = dict((str(i), d) for i, d in local_bits(arr))
+    return all(np.array_equal(d.view(np.uint8), after[str(i)].view(np.uint8)) for i, d in before)
+
+
+def check(what, value, tol):
+    print(f"  {what}: rel RMSE {value:.2e} (<= {tol:g})", flush=True)
+    if not value <= tol:
+        fail(what)
+
+
+# --- engines --------------------------------------------------------------------------------
+
+
+class Unsharded:
+    """The single-device GDNAttention over dp*N slots, fed global slots."""
+
+    def __init__(self, cfg, impl, params, dp):
+        self.cfg, self.dp = cfg, dp
+        self.attn = paths._attention(cfg, impl)     # shared across meshes: compiled once per shape
+        self.params = params
+        self.cache = GDNCache.create(cfg, dp * N)
+
+    def build(self, reqs):
+        return build_batch(reqs, num_slots=self.dp * N, num_spec=self.cfg.num_spec, token_bucket=self.dp * T,
+                           row_bucket=self.dp * S)
+
+    def step(self, kind, reqs, inputs):
+        hb = self.build(reqs)
+        packed = [jnp.asarray(hb.pack([p[j] for p in inputs])) for j in range(3)]
+        out, self.cache = getattr(self.attn, kind)(*packed, self.params, self.cache, hb)
+        return hb.unpack(out)
+
+    def commit(self, reqs, accepted):
+        hb = self.build(reqs)
+        acc = np.ones((hb.row_bucket,), np.int32)
+        for i, r in enumerate(hb.rows):
+            acc[r] = accepted[i]
+        self.cache = self.attn.commit_accepted(self.cache, hb.metadata.state_indices, acc)
+
+
+class Sharded:
+    """ShardedGDNAttention on a mesh, fed the same global slots."""
+
+    def __init__(self, cfg, impl, params, mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.dp, self.tp = sh.mesh_shape(mesh)
+        self.attn = sh.ShardedGDNAttention(cfg, mesh, impl)
+        self.params = self.attn.shard_params(params)
+        self.cache = self.attn.create_cache(N)
+        self.order = sh.qkv_channel_order(cfg, self.tp)
+
+    def build(self, reqs):
+        return sh.build_sharded_batch(reqs, num_slots=N, num_data=self.dp, num_spec=self.cfg.num_spec,
+                                      token_bucket=T, row_bucket=S)
+
+    def pack(self, hb, inputs):
+        x, b, a = (hb.pack([p[j] for p in inputs]) for j in range(3))
+        return x[:, self.order], b, a
+
+    def step(self, kind, reqs, inputs):
+        hb = self.build(reqs)
+        out, self.cache = getattr(self.attn, kind)(*self.pack(hb, inputs), self.params, self.cache, hb)
+        return hb, out
+
+    def stacked_acc(self, hb, accepted):
+        acc = np.ones((self.dp, hb.row_bucket), np.int32)
+        for i, (d, j) in enumerate(hb.placement):
+            acc[d, hb.shards[d].rows[j]] = accepted[i]
+        return acc
+
+    def commit(self, reqs, accepted):
+        hb = self.build(reqs)
+        self.cache = self.attn.commit_accepted(self.cache, hb.metadata.state_indices, self.stacked_acc(hb, accepted))
+
+    def expected_cache(self, ref_cache):
+        """The unsharded pools in this engine's global layout (channels shard-major)."""
+        axis = 2 if self.cfg.conv_state_layout == "SD" else 1
+        conv = np.take(np.asarray(ref_cache.conv_state), self.order, axis=axis)
+        return conv, np.asarray(ref_cache.ssm_state)
+
+
+# --- the sequence ---------------------------------------------------------------------------
+
+
+def sequence(dp):
+    """[(kind, requests, accepted-or-None)] with global slots; shard d's local slot l = d*N + l."""
+    s = lambda d, l: (d % dp) * N + l  # noqa: E731
+    A = (s(0, 1), s(0, 3), s(0, 5))
+    B = (s(1, 2), s(1, 6), s(1, 7))
+    return [
+        ("prefill", [Request.prefill(s(0, 1), 70), Request.prefill(s(1, 2), 9), Request.prefill(s(1, 4), 5)]),
+        ("decode", [Request.decode(s(0, 1)), Request.decode(s(1, 2)), Request.decode(s(1, 4))]),
+        ("spec_decode", [Request.spec(A, 3), Request.spec(B, 2), Request.decode(s(1, 4))]),
+        ("spec_decode", [Request.spec(A, 3, num_accepted=2), Request.spec(B, 1, num_accepted=2)]),
+        ("commit_accepted", [Request.spec(A, 3), Request.spec(B, 1)], [3, 1]),
+        ("gdn_attention_core", [Request.prefill(s(0, 0), 20), Request.decode(s(0, 1)), Request.spec(B, 3),
+                                Request.prefill(s(1, 4), 6, has_initial_state=True)]),
+    ]
+
+
+def random_inputs(cfg, reqs, rng):
+    out = []
+    for r in reqs:
+        n = r.num_tokens
+        out.append(tuple(rng.standard_normal((n, w)).astype(np.float32) for w in (cfg.D, cfg.HV, cfg.HV)))
+    return out
+
+
+def run_sequence(cfg, impl, mesh, *, with_reference=True, seed=0):
+    dp, tp = sh.mesh_shape(mesh)
+    print(f"[{impl}] tp={tp} dp={dp} layout={cfg.conv_state_layout} process {jax.process_index()}", flush=True)
+    params = GDNParams.random(cfg, jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)
+    shd = Sharded(cfg, impl, params, mesh)
+    ref = Unsharded(cfg, "native" if impl == "native" else "reference", params, dp)
+    oracle = Unsharded(cfg, "reference", params, dp) if with_reference and impl == "native" else None
+    for n, item in enumerate(sequence(dp)):
+        kind, reqs = item[0], item[1]
+        if kind == "commit_accepted":
+            for e in (shd, ref) + ((oracle,) if oracle else ()):
+                e.commit(reqs, item[2])
+        else:
+            inputs = random_inputs(cfg, reqs, rng)
+            hb, out = shd.step(kind, reqs, inputs)
+            expect = hb.pack(ref.step(kind, reqs, inputs))
+            check(f"step {n} {kind}: out vs unsharded", rel_rmse_local(out, expect), TOL)
+            if oracle:
+                check(f"step {n} {kind}: out vs reference", rel_rmse_local(out, hb.pack(oracle.step(kind, reqs, inputs))),
+                      REF_TOL)
+        conv, ssm = shd.expected_cache(ref.cache)
+        check(f"step {n} {kind}: conv_state vs unsharded", rel_rmse_local(shd.cache.conv_state, conv), TOL)
+        check(f"step {n} {kind}: ssm_state vs unsharded", rel_rmse_local(shd.cache.ssm_state, ssm), TOL)
+    refused_steps(cfg, shd, ref, rng, dp)
+
+
+def refused_steps(cfg, shd, ref, rng, dp):
+    """A batch bad only on the last data shard (or a bad commit row there) is refused
+    everywhere: InvalidBatchError naming that shard, and every pool shard bit-identical."""
+    last = dp - 1
+    reqs = [Request.decode(0), Request.decode(last * N + 2), Request.decode(last * N + 4)]
+    inputs = random_inputs(cfg, reqs, rng)
+    hb = shd.build(reqs)
+    meta = hb.metadata
+    idx = meta.state_indices.copy()
+    r0, r1 = hb.shards[last].rows[-2:]
+    idx[last, r1, 0] = idx[last, r0, 0]                 # one slot named by two rows, on shard `last` only
+    bad = type(meta)(**{**{f: getattr(meta, f) for f in meta.__dataclass_fields__}, "state_indices": idx})
+    before = (local_bits(shd.cache.conv_state), local_bits(shd.cache.ssm_state))
+    try:
+        shd.attn.decode(*shd.pack(hb, inputs), shd.params, shd.cache, bad)
+    except gdn_jax.InvalidBatchError as e:
+        if f"data shard {last}" not in str(e) or "also named by row" not in str(e):
+            fail(f"refused step: unexpected message {e}")
+        shd.cache = e.caches
+        print(f"  refused step: {e}", flush=True)
+    else:
+        fail("a batch with a slot named twice on the last data shard was accepted")
+    if not (same_bits(before[0], shd.cache.conv_state) and same_bits(before[1], shd.cache.ssm_state)):
+        fail("refused step: a pool shard changed")
+    print("  refused step: every pool shard bit-identical", flush=True)
+
+    spec = [Request.spec((0, 3, 5), 3), Request.spec((last * N + 2, last * N + 6, last * N + 7), 3)]
+    hb = shd.build(spec)
+    acc = shd.stacked_acc(hb, [2, 1])
+    acc[last, hb.shards[last].rows[0]] = cfg.num_spec + 2          # outside [1, num_spec + 1]
+    try:
+        shd.attn.commit_accepted(shd.cache, hb.metadata.state_indices, acc)
+    except gdn_jax.InvalidBatchError as e:
+        if f"data shard {last}" not in str(e):
+            fail(f"refused commit: unexpected message {e}")
+        shd.cache = e.caches
+    else:
+        fail("a commit with num_accepted_tokens > num_spec + 1 on the last data shard was accepted")
+    if not (same_bits(before[0], shd.cache.conv_state) and same_bits(before[1], shd.cache.ssm_state)):
+        fail("refused commit: a pool shard changed")
+    print("  refused commit_accepted: every pool shard bit-identical", flush=True)
+
+    # The caches handed back keep serving: a valid decode still matches the unsharded engine.
+    reqs = reqs[:1] + [Request.decode(last * N + 2)]
+    inputs = random_inputs(cfg, reqs, rng)
+    hb, out = shd.step("decode", reqs, inputs)
+    check("decode after the refusals: out vs unsharded", rel_rmse_local(out, hb.pack(ref.step("decode", reqs, inputs))),
+          TOL)
+    conv, ssm = shd.expected_cache(ref.cache)
+    check("decode after the refusals: ssm_state", rel_rmse_local(shd.cache.ssm_state, ssm), TOL)
+    check("decode after the refusals: conv_state", rel_rmse_local(shd.cache.conv_state, conv), TOL)
+
+
+# --- the compiled program -------------------------------------------------------------------
+
+
+def hlo_checks():
+    """Compiled sharded steps: the only collectives are the small status all-reduces, no
+    pool-sized copy, and the pools come back in the buffers they went in."""
+    for cfg in (CFG, CFG_DS):
+        mesh = sh.make_mesh(tp=2, dp=2)
+        shd = Sharded(cfg, "native", GDNParams.random(cfg, jax.random.PRNGKey(1)), mesh)
+        local = sh.local_config(cfg, 2)
+        pool_shapes = {tuple(local.conv_state_shape(N)), tuple(local.ssm_state_shape(N))}
+        for kind, reqs, *acc in sequence(2):
+            hb = shd.build(reqs)
+            if kind == "commit_accepted":
+                idx, acc = (sh.place(v, mesh, sh.P(sh.DATA)) for v in (hb.metadata.state_indices,
+                                                                     shd.stacked_acc(hb, acc[0])))
+                text = shd.attn.commit_accepted_with_status.lower(shd.cache, idx, acc).compile().as_text()
+                inspect_hlo(text, pool_shapes, f"{cfg.conv_state_layout} {kind}")
+                continue
+            x, b, a = (sh.place(v, mesh, sh.ShardedGDNAttention.x_spec)
+                       for v in shd.pack(hb, random_inputs(cfg, reqs, np.random.default_rng(0))))
+            fn = getattr(shd.attn, f"{kind}_with_status")
+            batch = sh._place_batch(hb, mesh)
+            text = fn.lower(x, b, a, shd.params, shd.cache, batch).compile().as_text()
+            inspect_hlo(text, pool_shapes, f"{cfg.conv_state_layout} {kind}")
+            ptrs = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
+                    for s in p.addressable_shards]
+            _, shd.cache, _ = fn(x, b, a, shd.params, shd.cache, batch)
+            new = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
+                   for s in p.addressable_shards]
+            if ptrs != new:
+                fail(f"{kind}: a pool shard moved to a new buffer (not updated in place)")
+        print(f"  {cfg.conv_state_layout}: every step updates its pool shards in place", flush=True)
+
+
+def inspect_hlo(text, pool_shapes, what, allowed_reduce=()):
+    """No all-gather / all-to-all / collective-permute; all-reduces only of the status table
+    (and ``allowed_reduce`` shapes); no copy of a pool-sized array; both pools aliased."""
+    for op in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
+        if re.search(rf"\b{op}(-start)?\(", text):
+            fail(f"{what}: the compiled step has an {op}")
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{?[\d,]*\}? all-reduce(?:-start)?\(", text):
+        dims = tuple(int(v) for v in m.group(2).split(",") if v)
+        if dims not in allowed_reduce and int(np.prod(dims)) > 64:
+            fail(f"{what}: an all-reduce of {m.group(1)}{list(dims)}")
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (copy|convert)\(", text):
+        dims = tuple(int(v) for v in m.group(1).split(",") if v)
+        if dims in pool_shapes:
+            fail(f"{what}: a {m.group(2)} of a pool-sized array {dims}")
+    header = text.splitlines()[0]          # HloModule ..., input_output_alias={ {1}: (6, {}, may-alias), ... }
+    if len(re.findall(r"(may|must)-alias", header)) < 2:
+        fail(f"{what}: the pools are not aliased input -> output")
+    print(f"  {what}: no gather, no pool copy, pools aliased", flush=True)
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["mesh", "dist", "hlo"])
+    ap.add_argument("--impl", default="native")
+    ap.add_argument("--meshes", default="2x1,4x1,2x2")
+    ap.add_argument("--layout", default="SD")
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--num-processes", type=int, default=2)
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args()
+    cfg = CFG if args.layout == "SD" else CFG_DS
+    if args.mode == "mesh":
+        for spec in args.meshes.split(","):
+            tp, dp = (int(v) for v in spec.split("x"))
+            run_sequence(cfg, args.impl, sh.make_mesh(tp=tp, dp=dp), with_reference=(tp, dp) == (2, 2))
+    elif args.mode == "dist":
+        if "jax_cpu_collectives_implementation" in jax.config.values:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
+                                   process_id=args.process_id)
+        if jax.device_count() != args.num_processes or jax.local_device_count() != 1:
+            fail(f"expected one device per process, got {jax.local_device_count()} of {jax.device_count()}")
+        run_sequence(cfg, args.impl, sh.make_mesh(tp=args.num_processes, dp=1), with_reference=False)
+        jax.distributed.shutdown()
+    else:
+        hlo_checks()
+    print("OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
