@@ -67,6 +67,10 @@ __all__ = [
     "ShardedHostBatch",
     "build_sharded_batch",
     "ShardedGDNAttention",
+    "ShardedGatedDeltaNetLayer",
+    "shard_core_params",
+    "shard_layer_params",
+    "load_sharded_layer_params",
     "sharded_status_message",
     "check_sharded_status",
     "host_value",
@@ -419,7 +423,47 @@ def _place_batch(batch, mesh):
     return jax.tree_util.tree_map(lambda x: _place_if_host(x, mesh, P(DATA)), meta)
 
 
-class ShardedGDNAttention:
+class _ShardedSteps:
+    """Host wrappers shared by the sharded core and layer: place host inputs, run the jitted
+    ``*_with_status`` step, raise on a refused batch. Subclasses set ``_array_specs``."""
+
+    _array_specs: tuple = ()
+
+    def _host(self, kind, *args):
+        *arrays, params, cache, batch = args
+        m = self.mesh
+        placed = [_place_if_host(x, m, spec) for x, spec in zip(arrays, self._array_specs)]
+        out, cache, status = getattr(self, f"{kind}_with_status")(*placed, params, cache, _place_batch(batch, m))
+        check_sharded_status(kind, status, caches=cache)
+        return out, cache
+
+    def commit_accepted(self, cache, spec_state_indices, num_accepted_tokens):
+        """Sharded :meth:`gdn_jax.GDNAttention.commit_accepted`: ``spec_state_indices [dp, S, C]``
+        (local slot ids, as in the step's stacked batch), ``num_accepted_tokens [dp, S]``."""
+        m = self.mesh
+        idx, acc = (x if isinstance(x, jax.Array) else place(np.asarray(x, np.int32), m, P(DATA))
+                    for x in (spec_state_indices, num_accepted_tokens))
+        cache, status = self.commit_accepted_with_status(cache, idx, acc)
+        check_sharded_status("commit_accepted", status, caches=cache)
+        return cache
+
+
+def _make_commit(core: GDNConfig, impl: str, mesh: Mesh):
+    """jit(shard_map(commit_accepted)) over the local core config, the cache donated."""
+    dp, tp = mesh_shape(mesh)
+    local = local_config(core, tp)
+    c_specs = cache_specs(local)
+
+    def commit(cache, spec_state_indices, num_accepted_tokens):
+        f = shard_map(functools.partial(_commit_shard, local, impl, dp, tp), mesh=mesh,
+                      in_specs=(c_specs, P(DATA), P(DATA)), out_specs=(c_specs, P()))
+        return f(cache, spec_state_indices, num_accepted_tokens)
+
+    commit.__name__ = "gdn_sharded_commit_accepted"
+    return jax.jit(commit, donate_argnames="cache")
+
+
+class ShardedGDNAttention(_ShardedSteps):
     """:class:`gdn_jax.GDNAttention` over a ``("data", "model")`` mesh.
 
     Steps (global shapes; dp data shards of T tokens, S rows, N slots)::
@@ -445,7 +489,7 @@ class ShardedGDNAttention:
         self.local = local_config(config, self.tp)
         for kind in paths.STEP_KINDS:
             setattr(self, f"{kind}_with_status", self._make_step(kind))
-        self.commit_accepted_with_status = self._make_commit()
+        self.commit_accepted_with_status = _make_commit(config, impl, mesh)
 
     def __repr__(self) -> str:
         return f"ShardedGDNAttention({self.config!r}, dp={self.dp}, tp={self.tp}, impl={self.impl!r})"
@@ -468,17 +512,6 @@ class ShardedGDNAttention:
         step.__name__ = f"gdn_sharded_{kind}"
         return jax.jit(step, donate_argnames="cache")
 
-    def _make_commit(self):
-        cfg, impl, dp, tp, mesh = self.local, self.impl, self.dp, self.tp, self.mesh
-        c_specs = cache_specs(cfg)
-
-        def commit(cache, spec_state_indices, num_accepted_tokens):
-            f = shard_map(functools.partial(_commit_shard, cfg, impl, dp, tp), mesh=mesh,
-                          in_specs=(c_specs, P(DATA), P(DATA)), out_specs=(c_specs, P()))
-            return f(cache, spec_state_indices, num_accepted_tokens)
-
-        return jax.jit(commit, donate_argnames="cache")
-
     # --- set-up ---
     def create_cache(self, num_slots: int) -> GDNCache:
         """Sharded zero pools, ``num_slots`` per data shard (see :func:`create_cache`)."""
@@ -489,13 +522,7 @@ class ShardedGDNAttention:
         return shard_core_params(params, self.config, self.mesh)
 
     # --- host wrappers ---
-    def _host(self, kind, mixed_qkv, b, a, params, cache, batch):
-        m = self.mesh
-        out, cache, status = getattr(self, f"{kind}_with_status")(
-            _place_if_host(mixed_qkv, m, self.x_spec), _place_if_host(b, m, self.x_spec),
-            _place_if_host(a, m, self.x_spec), params, cache, _place_batch(batch, m))
-        check_sharded_status(kind, status, caches=cache)
-        return out, cache
+    _array_specs = (x_spec, x_spec, x_spec)
 
     def prefill(self, mixed_qkv, b, a, params, cache, batch):
         return self._host("prefill", mixed_qkv, b, a, params, cache, batch)
@@ -511,12 +538,171 @@ class ShardedGDNAttention:
 
     __call__ = gdn_attention_core
 
-    def commit_accepted(self, cache, spec_state_indices, num_accepted_tokens):
-        """Sharded :meth:`gdn_jax.GDNAttention.commit_accepted`; indices ``[dp, S, C]`` (local
-        slots), ``num_accepted_tokens [dp, S]``."""
-        m = self.mesh
-        idx, acc = (x if isinstance(x, jax.Array) else place(np.asarray(x, np.int32), m, P(DATA))
-                    for x in (spec_state_indices, num_accepted_tokens))
-        cache, status = self.commit_accepted_with_status(cache, idx, acc)
-        check_sharded_status("commit_accepted", status, caches=cache)
-        return cache
+
+# ---------------------------------------------------------------------------------------
+# the sharded layer (gdn_jax.layer): in_proj column-parallel, out_proj row-parallel
+# ---------------------------------------------------------------------------------------
+
+
+def layer_param_specs(params) -> Any:
+    """PartitionSpecs of :class:`gdn_jax.layer.GDNLayerParams`: in_proj rows (output
+    channels) over "model", out_proj columns over "model", the norm weight replicated."""
+    from .layer import GDNLayerParams
+
+    rows = P(MODEL, None)
+    return GDNLayerParams(in_proj_qkv=rows, in_proj_z=rows, in_proj_b=rows, in_proj_a=rows,
+                          core=core_param_specs(params.core), norm_weight=P(), out_proj=P(None, MODEL))
+
+
+def shard_layer_params(params, config, mesh: Mesh):
+    """Full layer params (plain order, as :func:`gdn_jax.checkpoint.load_layer_params` gives
+    them) -> sharded: in_proj_qkv rows and the conv weight permuted to shard-major order
+    once, here, so that each shard's projection yields its own plain ``[q_r | k_r | v_r]``."""
+    params.validate(config)
+    _, tp = mesh_shape(mesh)
+    order = qkv_channel_order(config.core, tp)
+    specs = layer_param_specs(params)
+    host = jax.tree_util.tree_map(np.asarray, params)
+    host = dataclasses.replace(host, in_proj_qkv=host.in_proj_qkv[order],
+                               core=dataclasses.replace(host.core, conv_weight=host.core.conv_weight[order],
+                                                        conv_bias=None if host.core.conv_bias is None else
+                                                        host.core.conv_bias[order]))
+    return jax.tree_util.tree_map(lambda x, s: place(x, mesh, s), host, specs)
+
+
+def load_sharded_layer_params(path, layer: int, config, mesh: Mesh):
+    """Load one layer straight into its shards: each process reads, memory-mapped, only the
+    key-head groups of the model shards on its own devices
+    (``gdn_jax.checkpoint.load_layer_params(..., key_heads=(h0, h1))``, whose local plain
+    order is exactly that shard's block of the shard-major order) and places them with
+    ``jax.make_array_from_single_device_arrays``. Nothing is gathered or re-read."""
+    from .checkpoint import load_layer_params
+
+    dp, tp = mesh_shape(mesh)
+    local_config(config.core, tp)
+    h = config.H // tp
+    devices = np.asarray(mesh.devices).reshape(dp, tp)
+    mine = {r for r in range(tp) for d in range(dp) if devices[d, r].process_index == jax.process_index()}
+    shards = {r: jax.tree_util.tree_map(np.asarray, load_layer_params(path, layer, config, key_heads=(r * h, (r + 1) * h)))
+              for r in sorted(mine)}
+    any_shard = shards[min(shards)]
+    specs = layer_param_specs(any_shard)
+    leaves_of = {r: jax.tree_util.tree_leaves(p) for r, p in shards.items()}
+    spec_leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    out = []
+    for i, spec in enumerate(spec_leaves):
+        split = [ax for ax, name in enumerate(spec) if name == MODEL]
+        shape = list(leaves_of[min(shards)][i].shape)
+        if split:
+            shape[split[0]] *= tp
+        sharding = NamedSharding(mesh, spec)
+        arrays = [jax.device_put(leaves_of[r][i], devices[d, r]) for d in range(dp) for r in range(tp)
+                  if devices[d, r].process_index == jax.process_index()]
+        out.append(jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, hidden, params, cache, batch):
+    """One shard's layer step: in_proj of its channels, the core step under the global batch
+    check, its gated norm, its partial out_proj in f32 and ONE reduction over "model" (psum,
+    or reduce-scatter over tokens), rounded once to the act dtype, as the unsharded layer."""
+    from .layer import LAYER_STEPS, gated_rms_norm, in_projection
+
+    core_kind = LAYER_STEPS[kind]
+    batch = _squeeze_batch(batch)
+    T = hidden.shape[0]
+    st = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=paths.STEP_KINDS[core_kind], impl=impl)
+    st = _global_status(st, dp, tp)
+    params.validate(config)
+    mixed_qkv, z, b, a = in_projection(config, params, hidden)
+    o, cache, op_st = paths._step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
+                                  paths._neutralise(batch, st[0] == 0))
+    y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps).reshape(T, config.Z)
+    part = jax.lax.dot_general(y, params.out_proj, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if scatter:
+        out = jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
+    else:
+        out = jax.lax.psum(part, MODEL)
+    op_st = _global_status(op_st, dp, tp)
+    return out.astype(hidden.dtype), cache, jnp.where(st[0] != 0, st, op_st)
+
+
+class ShardedGatedDeltaNetLayer(_ShardedSteps):
+    """:class:`gdn_jax.layer.GatedDeltaNetLayer` over a ``("data", "model")`` mesh.
+
+    Steps (global shapes; dp data shards of T tokens)::
+
+        layer.prefill / decode / spec_decode / mixed (hidden [dp*T, hidden], params, cache, batch)
+            -> (out [dp*T, hidden], cache)
+        layer.commit_accepted(cache, spec_state_indices [dp, S, C], num_accepted_tokens [dp, S]) -> cache
+
+    ``hidden`` is split over "data" and replicated over "model" (every model shard projects
+    the same tokens onto its own channels); ``out`` likewise after the psum, or, with
+    ``scatter_output=True``, sharded over tokens on both axes (``P(("data", "model"))``:
+    a reduce-scatter, for a sequence-parallel caller; T must then be a multiple of tp).
+    ``params``: :meth:`shard_params` or :meth:`load_params`; ``cache``: :meth:`create_cache`
+    (donated). ``*_with_status`` return ``(out, cache, status int32[5])``.
+    """
+
+    def __init__(self, config, mesh: Mesh, impl: str = "auto", *, scatter_output: bool = False):
+        from .layer import LAYER_STEPS, GDNLayerConfig
+
+        if not isinstance(config, GDNLayerConfig):
+            raise TypeError(f"config must be a GDNLayerConfig, got {type(config).__name__}")
+        self.config, self.mesh, self.impl = config, mesh, impl
+        self.dp, self.tp = mesh_shape(mesh)
+        self.local = config.local(self.tp)
+        self.scatter_output = bool(scatter_output)
+        self.out_spec = P((DATA, MODEL), None) if scatter_output else P(DATA, None)
+        for name in LAYER_STEPS:
+            setattr(self, f"{name}_with_status", self._make_step(name))
+        self.commit_accepted_with_status = _make_commit(config.core, impl, mesh)
+
+    def __repr__(self) -> str:
+        return (f"ShardedGatedDeltaNetLayer({self.config!r}, dp={self.dp}, tp={self.tp}, impl={self.impl!r}, "
+                f"scatter_output={self.scatter_output})")
+
+    hidden_spec = P(DATA, None)
+    _array_specs = (hidden_spec,)
+
+    def _make_step(self, name):
+        cfg, impl, dp, tp, mesh, scatter = self.local, self.impl, self.dp, self.tp, self.mesh, self.scatter_output
+        c_specs = cache_specs(cfg.core)
+
+        def step(hidden, params, cache, batch):
+            if scatter and (hidden.shape[0] // dp) % tp:
+                raise ValueError(f"scatter_output: the token bucket T={hidden.shape[0] // dp} must be a multiple "
+                                 f"of tp={tp}")
+            f = shard_map(functools.partial(_layer_shard, cfg, impl, name, dp, tp, scatter), mesh=mesh,
+                          in_specs=(self.hidden_spec, layer_param_specs(params), c_specs, BATCH_SPECS),
+                          out_specs=(self.out_spec, c_specs, P()))
+            return f(hidden, params, cache, batch)
+
+        step.__name__ = f"gdn_sharded_layer_{name}"
+        return jax.jit(step, donate_argnames="cache")
+
+    def create_cache(self, num_slots: int) -> GDNCache:
+        """Sharded zero pools, ``num_slots`` per data shard (see :func:`create_cache`)."""
+        return create_cache(self.config.core, self.mesh, num_slots)
+
+    def shard_params(self, params):
+        """Full plain-order layer params -> sharded (see :func:`shard_layer_params`)."""
+        return shard_layer_params(params, self.config, self.mesh)
+
+    def load_params(self, path, layer: int):
+        """This process's shards of one layer read from a checkpoint (see :func:`load_sharded_layer_params`)."""
+        return load_sharded_layer_params(path, layer, self.config, self.mesh)
+
+    def prefill(self, hidden, params, cache, batch):
+        return self._host("prefill", hidden, params, cache, batch)
+
+    def decode(self, hidden, params, cache, batch):
+        return self._host("decode", hidden, params, cache, batch)
+
+    def spec_decode(self, hidden, params, cache, batch):
+        return self._host("spec_decode", hidden, params, cache, batch)
+
+    def mixed(self, hidden, params, cache, batch):
+        return self._host("mixed", hidden, params, cache, batch)
+
+    __call__ = mixed

@@ -32,6 +32,7 @@ if MODE in ("mesh", "hlo"):
     _setup(4)
 
 import re  # noqa: E402
+import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,6 +50,7 @@ CFG = GDNConfig(4, 8, 16, 16, num_spec=2, act_dtype=F32)           # D = 256, G 
 CFG_DS = GDNConfig(4, 8, 16, 32, num_spec=2, act_dtype=F32, conv_state_layout="DS", conv_width=3)
 N, T, S = 8, 96, 4           # per data shard: slots, token bucket, row bucket
 TOL = 1e-6                   # the issue's bound against the unsharded engine (f32)
+HIDDEN, LAYER = 64, 1        # the layer's hidden size; its index in the test checkpoint
 REF_TOL = 1e-5               # contract.md's f32 budget (relative RMSE) for the reference
 
 
@@ -91,26 +93,69 @@ def check(what, value, tol):
         fail(what)
 
 
-# --- engines --------------------------------------------------------------------------------
+# --- engines: the core (mixed_qkv, b, a) or the whole layer (hidden) --------------------------
+
+
+LAYER_NAMES = {"gdn_attention_core": "mixed"}       # core step kind -> layer step name
+
+
+class Family:
+    """What differs between the core and the layer: config, params, inputs, step names."""
+
+    def __init__(self, what, cfg, ckpt=None):
+        self.what, self.cfg, self.ckpt = what, cfg, ckpt
+        self.core = cfg if what == "core" else cfg.core
+        self._unsharded = {}
+
+    def params(self, seed):
+        if self.what == "core":
+            return GDNParams.random(self.cfg, jax.random.PRNGKey(seed))
+        from gdn_jax.checkpoint import load_layer_params
+        return load_layer_params(self.ckpt, LAYER, self.cfg)
+
+    def unsharded(self, impl):
+        """One engine per impl, shared across meshes (compiled once per shape)."""
+        if impl not in self._unsharded:
+            from gdn_jax.layer import GatedDeltaNetLayer
+            self._unsharded[impl] = (paths._attention(self.cfg, impl) if self.what == "core"
+                                     else GatedDeltaNetLayer(self.cfg, impl))
+        return self._unsharded[impl]
+
+    def sharded(self, mesh, impl):
+        if self.what == "core":
+            return sh.ShardedGDNAttention(self.cfg, mesh, impl)
+        return sh.ShardedGatedDeltaNetLayer(self.cfg, mesh, impl)
+
+    def shard_params(self, engine, params):
+        if self.what == "core":
+            return engine.shard_params(params)
+        return engine.load_params(self.ckpt, LAYER)          # each process reads its own key heads
+
+    def name(self, kind):
+        return kind if self.what == "core" else LAYER_NAMES.get(kind, kind)
+
+    def inputs(self, reqs, rng):
+        widths = (self.cfg.D, self.cfg.HV, self.cfg.HV) if self.what == "core" else (self.cfg.hidden_size,)
+        return [tuple(rng.standard_normal((r.num_tokens, w)).astype(np.float32) for w in widths) for r in reqs]
 
 
 class Unsharded:
-    """The single-device GDNAttention over dp*N slots, fed global slots."""
+    """The single-device engine over dp*N slots, fed global slots."""
 
-    def __init__(self, cfg, impl, params, dp):
-        self.cfg, self.dp = cfg, dp
-        self.attn = paths._attention(cfg, impl)     # shared across meshes: compiled once per shape
+    def __init__(self, fam, impl, params, dp):
+        self.fam, self.dp = fam, dp
+        self.engine = fam.unsharded(impl)
         self.params = params
-        self.cache = GDNCache.create(cfg, dp * N)
+        self.cache = GDNCache.create(fam.core, dp * N)
 
     def build(self, reqs):
-        return build_batch(reqs, num_slots=self.dp * N, num_spec=self.cfg.num_spec, token_bucket=self.dp * T,
+        return build_batch(reqs, num_slots=self.dp * N, num_spec=self.fam.core.num_spec, token_bucket=self.dp * T,
                            row_bucket=self.dp * S)
 
     def step(self, kind, reqs, inputs):
         hb = self.build(reqs)
-        packed = [jnp.asarray(hb.pack([p[j] for p in inputs])) for j in range(3)]
-        out, self.cache = getattr(self.attn, kind)(*packed, self.params, self.cache, hb)
+        packed = [jnp.asarray(hb.pack([p[j] for p in inputs])) for j in range(len(inputs[0]))]
+        out, self.cache = getattr(self.engine, self.fam.name(kind))(*packed, self.params, self.cache, hb)
         return hb.unpack(out)
 
     def commit(self, reqs, accepted):
@@ -118,31 +163,34 @@ class Unsharded:
         acc = np.ones((hb.row_bucket,), np.int32)
         for i, r in enumerate(hb.rows):
             acc[r] = accepted[i]
-        self.cache = self.attn.commit_accepted(self.cache, hb.metadata.state_indices, acc)
+        self.cache = self.engine.commit_accepted(self.cache, hb.metadata.state_indices, acc)
 
 
 class Sharded:
-    """ShardedGDNAttention on a mesh, fed the same global slots."""
+    """The sharded engine on a mesh, fed the same global slots."""
 
-    def __init__(self, cfg, impl, params, mesh):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, fam, impl, params, mesh):
+        self.fam, self.mesh = fam, mesh
         self.dp, self.tp = sh.mesh_shape(mesh)
-        self.attn = sh.ShardedGDNAttention(cfg, mesh, impl)
-        self.params = self.attn.shard_params(params)
-        self.cache = self.attn.create_cache(N)
-        self.order = sh.qkv_channel_order(cfg, self.tp)
+        self.engine = fam.sharded(mesh, impl)
+        self.params = fam.shard_params(self.engine, params)
+        self.cache = self.engine.create_cache(N)
+        self.order = sh.qkv_channel_order(fam.core, self.tp)
 
     def build(self, reqs):
-        return sh.build_sharded_batch(reqs, num_slots=N, num_data=self.dp, num_spec=self.cfg.num_spec,
+        return sh.build_sharded_batch(reqs, num_slots=N, num_data=self.dp, num_spec=self.fam.core.num_spec,
                                       token_bucket=T, row_bucket=S)
 
     def pack(self, hb, inputs):
-        x, b, a = (hb.pack([p[j] for p in inputs]) for j in range(3))
-        return x[:, self.order], b, a
+        packed = [hb.pack([p[j] for p in inputs]) for j in range(len(inputs[0]))]
+        if self.fam.what == "core":
+            packed[0] = packed[0][:, self.order]          # plain -> shard-major channels
+        return packed
 
     def step(self, kind, reqs, inputs):
         hb = self.build(reqs)
-        out, self.cache = getattr(self.attn, kind)(*self.pack(hb, inputs), self.params, self.cache, hb)
+        out, self.cache = getattr(self.engine, self.fam.name(kind))(*self.pack(hb, inputs), self.params, self.cache,
+                                                                     hb)
         return hb, out
 
     def stacked_acc(self, hb, accepted):
@@ -153,11 +201,12 @@ class Sharded:
 
     def commit(self, reqs, accepted):
         hb = self.build(reqs)
-        self.cache = self.attn.commit_accepted(self.cache, hb.metadata.state_indices, self.stacked_acc(hb, accepted))
+        self.cache = self.engine.commit_accepted(self.cache, hb.metadata.state_indices,
+                                                 self.stacked_acc(hb, accepted))
 
     def expected_cache(self, ref_cache):
         """The unsharded pools in this engine's global layout (channels shard-major)."""
-        axis = 2 if self.cfg.conv_state_layout == "SD" else 1
+        axis = 2 if self.fam.core.conv_state_layout == "SD" else 1
         conv = np.take(np.asarray(ref_cache.conv_state), self.order, axis=axis)
         return conv, np.asarray(ref_cache.ssm_state)
 
@@ -181,47 +230,40 @@ def sequence(dp):
     ]
 
 
-def random_inputs(cfg, reqs, rng):
-    out = []
-    for r in reqs:
-        n = r.num_tokens
-        out.append(tuple(rng.standard_normal((n, w)).astype(np.float32) for w in (cfg.D, cfg.HV, cfg.HV)))
-    return out
-
-
-def run_sequence(cfg, impl, mesh, *, with_reference=True, seed=0):
+def run_sequence(fam, impl, mesh, *, with_reference=True, seed=0):
     dp, tp = sh.mesh_shape(mesh)
-    print(f"[{impl}] tp={tp} dp={dp} layout={cfg.conv_state_layout} process {jax.process_index()}", flush=True)
-    params = GDNParams.random(cfg, jax.random.PRNGKey(seed))
+    print(f"[{fam.what} {impl}] tp={tp} dp={dp} layout={fam.core.conv_state_layout} process {jax.process_index()}",
+          flush=True)
+    params = fam.params(seed)
     rng = np.random.default_rng(seed)
-    shd = Sharded(cfg, impl, params, mesh)
-    ref = Unsharded(cfg, "native" if impl == "native" else "reference", params, dp)
-    oracle = Unsharded(cfg, "reference", params, dp) if with_reference and impl == "native" else None
+    shd = Sharded(fam, impl, params, mesh)
+    ref = Unsharded(fam, impl, params, dp)
+    oracle = Unsharded(fam, "reference", params, dp) if with_reference and impl == "native" else None
     for n, item in enumerate(sequence(dp)):
         kind, reqs = item[0], item[1]
         if kind == "commit_accepted":
             for e in (shd, ref) + ((oracle,) if oracle else ()):
                 e.commit(reqs, item[2])
         else:
-            inputs = random_inputs(cfg, reqs, rng)
+            inputs = fam.inputs(reqs, rng)
             hb, out = shd.step(kind, reqs, inputs)
-            expect = hb.pack(ref.step(kind, reqs, inputs))
-            check(f"step {n} {kind}: out vs unsharded", rel_rmse_local(out, expect), TOL)
+            check(f"step {n} {kind}: out vs unsharded", rel_rmse_local(out, hb.pack(ref.step(kind, reqs, inputs))),
+                  TOL)
             if oracle:
-                check(f"step {n} {kind}: out vs reference", rel_rmse_local(out, hb.pack(oracle.step(kind, reqs, inputs))),
-                      REF_TOL)
+                check(f"step {n} {kind}: out vs reference",
+                      rel_rmse_local(out, hb.pack(oracle.step(kind, reqs, inputs))), REF_TOL)
         conv, ssm = shd.expected_cache(ref.cache)
         check(f"step {n} {kind}: conv_state vs unsharded", rel_rmse_local(shd.cache.conv_state, conv), TOL)
         check(f"step {n} {kind}: ssm_state vs unsharded", rel_rmse_local(shd.cache.ssm_state, ssm), TOL)
-    refused_steps(cfg, shd, ref, rng, dp)
+    refused_steps(fam, shd, ref, rng, dp)
 
 
-def refused_steps(cfg, shd, ref, rng, dp):
+def refused_steps(fam, shd, ref, rng, dp):
     """A batch bad only on the last data shard (or a bad commit row there) is refused
     everywhere: InvalidBatchError naming that shard, and every pool shard bit-identical."""
     last = dp - 1
     reqs = [Request.decode(0), Request.decode(last * N + 2), Request.decode(last * N + 4)]
-    inputs = random_inputs(cfg, reqs, rng)
+    inputs = fam.inputs(reqs, rng)
     hb = shd.build(reqs)
     meta = hb.metadata
     idx = meta.state_indices.copy()
@@ -230,7 +272,7 @@ def refused_steps(cfg, shd, ref, rng, dp):
     bad = type(meta)(**{**{f: getattr(meta, f) for f in meta.__dataclass_fields__}, "state_indices": idx})
     before = (local_bits(shd.cache.conv_state), local_bits(shd.cache.ssm_state))
     try:
-        shd.attn.decode(*shd.pack(hb, inputs), shd.params, shd.cache, bad)
+        shd.engine.decode(*shd.pack(hb, inputs), shd.params, shd.cache, bad)
     except gdn_jax.InvalidBatchError as e:
         if f"data shard {last}" not in str(e) or "also named by row" not in str(e):
             fail(f"refused step: unexpected message {e}")
@@ -245,9 +287,9 @@ def refused_steps(cfg, shd, ref, rng, dp):
     spec = [Request.spec((0, 3, 5), 3), Request.spec((last * N + 2, last * N + 6, last * N + 7), 3)]
     hb = shd.build(spec)
     acc = shd.stacked_acc(hb, [2, 1])
-    acc[last, hb.shards[last].rows[0]] = cfg.num_spec + 2          # outside [1, num_spec + 1]
+    acc[last, hb.shards[last].rows[0]] = fam.core.num_spec + 2          # outside [1, num_spec + 1]
     try:
-        shd.attn.commit_accepted(shd.cache, hb.metadata.state_indices, acc)
+        shd.engine.commit_accepted(shd.cache, hb.metadata.state_indices, acc)
     except gdn_jax.InvalidBatchError as e:
         if f"data shard {last}" not in str(e):
             fail(f"refused commit: unexpected message {e}")
@@ -260,7 +302,7 @@ def refused_steps(cfg, shd, ref, rng, dp):
 
     # The caches handed back keep serving: a valid decode still matches the unsharded engine.
     reqs = reqs[:1] + [Request.decode(last * N + 2)]
-    inputs = random_inputs(cfg, reqs, rng)
+    inputs = fam.inputs(reqs, rng)
     hb, out = shd.step("decode", reqs, inputs)
     check("decode after the refusals: out vs unsharded", rel_rmse_local(out, hb.pack(ref.step("decode", reqs, inputs))),
           TOL)
@@ -272,48 +314,79 @@ def refused_steps(cfg, shd, ref, rng, dp):
 # --- the compiled program -------------------------------------------------------------------
 
 
-def hlo_checks():
-    """Compiled sharded steps: the only collectives are the small status all-reduces, no
-    pool-sized copy, and the pools come back in the buffers they went in."""
-    for cfg in (CFG, CFG_DS):
-        mesh = sh.make_mesh(tp=2, dp=2)
-        shd = Sharded(cfg, "native", GDNParams.random(cfg, jax.random.PRNGKey(1)), mesh)
-        local = sh.local_config(cfg, 2)
-        pool_shapes = {tuple(local.conv_state_shape(N)), tuple(local.ssm_state_shape(N))}
-        for kind, reqs, *acc in sequence(2):
-            hb = shd.build(reqs)
-            if kind == "commit_accepted":
-                idx, acc = (sh.place(v, mesh, sh.P(sh.DATA)) for v in (hb.metadata.state_indices,
-                                                                     shd.stacked_acc(hb, acc[0])))
-                text = shd.attn.commit_accepted_with_status.lower(shd.cache, idx, acc).compile().as_text()
-                inspect_hlo(text, pool_shapes, f"{cfg.conv_state_layout} {kind}")
-                continue
-            x, b, a = (sh.place(v, mesh, sh.ShardedGDNAttention.x_spec)
-                       for v in shd.pack(hb, random_inputs(cfg, reqs, np.random.default_rng(0))))
-            fn = getattr(shd.attn, f"{kind}_with_status")
-            batch = sh._place_batch(hb, mesh)
-            text = fn.lower(x, b, a, shd.params, shd.cache, batch).compile().as_text()
-            inspect_hlo(text, pool_shapes, f"{cfg.conv_state_layout} {kind}")
-            ptrs = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
-                    for s in p.addressable_shards]
-            _, shd.cache, _ = fn(x, b, a, shd.params, shd.cache, batch)
-            new = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
-                   for s in p.addressable_shards]
-            if ptrs != new:
-                fail(f"{kind}: a pool shard moved to a new buffer (not updated in place)")
-        print(f"  {cfg.conv_state_layout}: every step updates its pool shards in place", flush=True)
+def hlo_checks(fam):
+    """Compiled sharded steps: the only collectives are the small status all-reduces (and the
+    layer's one out_proj reduction), no pool-sized copy, and the pools come back in the
+    buffers they went in."""
+    mesh = sh.make_mesh(tp=2, dp=2)
+    shd = Sharded(fam, "native", fam.params(1), mesh)
+    local = sh.local_config(fam.core, 2)
+    pool_shapes = {tuple(local.conv_state_shape(N)), tuple(local.ssm_state_shape(N))}
+    out_shape = () if fam.what == "core" else ((T, fam.cfg.hidden_size),)   # the psum of out_proj
+    what = f"{fam.what} {fam.core.conv_state_layout}"
+    for kind, reqs, *acc in sequence(2):
+        hb = shd.build(reqs)
+        if kind == "commit_accepted":
+            idx, acc = (sh.place(v, mesh, sh.P(sh.DATA)) for v in (hb.metadata.state_indices,
+                                                                 shd.stacked_acc(hb, acc[0])))
+            text = shd.engine.commit_accepted_with_status.lower(shd.cache, idx, acc).compile().as_text()
+            inspect_hlo(text, pool_shapes, f"{what} {kind}")
+            continue
+        arrays = [sh.place(v, mesh, spec) for v, spec in zip(shd.pack(hb, fam.inputs(reqs, np.random.default_rng(0))),
+                                                             shd.engine._array_specs)]
+        fn = getattr(shd.engine, f"{fam.name(kind)}_with_status")
+        batch = sh._place_batch(hb, mesh)
+        text = fn.lower(*arrays, shd.params, shd.cache, batch).compile().as_text()
+        inspect_hlo(text, pool_shapes, f"{what} {kind}", allowed_reduce=out_shape)
+        ptrs = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
+                for s in p.addressable_shards]
+        _, shd.cache, _ = fn(*arrays, shd.params, shd.cache, batch)
+        new = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
+               for s in p.addressable_shards]
+        if ptrs != new:
+            fail(f"{what} {kind}: a pool shard moved to a new buffer (not updated in place)")
+    print(f"  {what}: every step updates its pool shards in place", flush=True)
+
+
+def scatter_output_check(fam):
+    """The layer with a reduce-scatter of out_proj: tokens sharded over both axes, the same
+    values as the unsharded layer, and one reduce-scatter in the program."""
+    mesh = sh.make_mesh(tp=2, dp=2)
+    params = fam.params(0)
+    layer = sh.ShardedGatedDeltaNetLayer(fam.cfg, mesh, "native", scatter_output=True)
+    p = layer.load_params(fam.ckpt, LAYER)
+    cache = layer.create_cache(N)
+    ref = Unsharded(fam, "native", params, 2)
+    kind, reqs = sequence(2)[0]
+    inputs = fam.inputs(reqs, np.random.default_rng(3))
+    hb = sh.build_sharded_batch(reqs, num_slots=N, num_data=2, num_spec=fam.core.num_spec, token_bucket=T,
+                                row_bucket=S)
+    hidden = sh.place(hb.pack([x[0] for x in inputs]), mesh, layer.hidden_spec)
+    text = layer.prefill_with_status.lower(hidden, p, cache, sh._place_batch(hb, mesh)).compile().as_text()
+    if len(re.findall(r"\breduce-scatter(-start)?\(", text)) != 1:
+        fail("scatter_output: the program should hold exactly one reduce-scatter")
+    out, cache = layer.prefill(hidden, p, cache, hb)
+    if tuple(out.sharding.spec)[:1] != ((sh.DATA, sh.MODEL),) or any(tuple(out.sharding.spec)[1:]):
+        fail(f"scatter_output: out is sharded {out.sharding.spec}")
+    check("scatter_output prefill: out vs unsharded", rel_rmse_local(out, hb.pack(ref.step(kind, reqs, inputs))), TOL)
 
 
 def inspect_hlo(text, pool_shapes, what, allowed_reduce=()):
-    """No all-gather / all-to-all / collective-permute; all-reduces only of the status table
-    (and ``allowed_reduce`` shapes); no copy of a pool-sized array; both pools aliased."""
+    """No all-gather / all-to-all / collective-permute / reduce-scatter; all-reduces only of
+    the status tables (and of ``allowed_reduce`` shapes, exactly once each); no copy or
+    convert of a pool-sized array; both pools aliased input -> output."""
     for op in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
         if re.search(rf"\b{op}(-start)?\(", text):
             fail(f"{what}: the compiled step has an {op}")
+    big = []
     for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{?[\d,]*\}? all-reduce(?:-start)?\(", text):
         dims = tuple(int(v) for v in m.group(2).split(",") if v)
-        if dims not in allowed_reduce and int(np.prod(dims)) > 64:
-            fail(f"{what}: an all-reduce of {m.group(1)}{list(dims)}")
+        if int(np.prod(dims)) > 64:
+            big.append(dims)
+            if dims not in allowed_reduce:
+                fail(f"{what}: an all-reduce of {m.group(1)}{list(dims)}")
+    if sorted(big) != sorted(allowed_reduce):
+        fail(f"{what}: all-reduces {big}, expected {list(allowed_reduce)}")
     for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (copy|convert)\(", text):
         dims = tuple(int(v) for v in m.group(1).split(",") if v)
         if dims in pool_shapes:
@@ -327,21 +400,39 @@ def inspect_hlo(text, pool_shapes, what, allowed_reduce=()):
 # --- entry points ---------------------------------------------------------------------------
 
 
+def write_checkpoint(path, cfg):
+    from gdn_jax.checkpoint import save_checkpoint
+    from gdn_jax.layer import GDNLayerParams
+    save_checkpoint(path, cfg, {LAYER: GDNLayerParams.random(cfg, jax.random.PRNGKey(7))})
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["mesh", "dist", "hlo"])
+    ap.add_argument("mode", choices=["mesh", "dist", "hlo", "write-checkpoint"])
+    ap.add_argument("--what", choices=["core", "layer"], default="core")
     ap.add_argument("--impl", default="native")
     ap.add_argument("--meshes", default="2x1,4x1,2x2")
+    ap.add_argument("--reference-on", default="2x2", help="meshes also checked against the unsharded reference")
     ap.add_argument("--layout", default="SD")
+    ap.add_argument("--ckpt", default=None, help="layer checkpoint directory (written if missing)")
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
-    cfg = CFG if args.layout == "SD" else CFG_DS
-    if args.mode == "mesh":
+    core = CFG if args.layout == "SD" else CFG_DS
+    fam = Family("core", core)
+    if args.what == "layer":
+        from gdn_jax.layer import GDNLayerConfig
+        fam = Family("layer", GDNLayerConfig(hidden_size=HIDDEN, core=core, model_type="qwen3_next"),
+                     args.ckpt or tempfile.mkdtemp(prefix="gdn_shard_ckpt_"))
+        if args.mode != "dist" and not os.path.exists(os.path.join(fam.ckpt, "config.json")):
+            write_checkpoint(fam.ckpt, fam.cfg)
+    if args.mode == "write-checkpoint":
+        pass
+    elif args.mode == "mesh":
         for spec in args.meshes.split(","):
             tp, dp = (int(v) for v in spec.split("x"))
-            run_sequence(cfg, args.impl, sh.make_mesh(tp=tp, dp=dp), with_reference=(tp, dp) == (2, 2))
+            run_sequence(fam, args.impl, sh.make_mesh(tp=tp, dp=dp), with_reference=spec in args.reference_on)
     elif args.mode == "dist":
         if "jax_cpu_collectives_implementation" in jax.config.values:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -349,10 +440,12 @@ def main():
                                    process_id=args.process_id)
         if jax.device_count() != args.num_processes or jax.local_device_count() != 1:
             fail(f"expected one device per process, got {jax.local_device_count()} of {jax.device_count()}")
-        run_sequence(cfg, args.impl, sh.make_mesh(tp=args.num_processes, dp=1), with_reference=False)
+        run_sequence(fam, args.impl, sh.make_mesh(tp=args.num_processes, dp=1), with_reference=False)
         jax.distributed.shutdown()
     else:
-        hlo_checks()
+        hlo_checks(fam)
+        if fam.what == "layer":
+            scatter_output_check(fam)
     print("OK", flush=True)
 
 
