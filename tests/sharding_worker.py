@@ -336,11 +336,11 @@ def hlo_checks(fam):
                                                              shd.engine._array_specs)]
         fn = getattr(shd.engine, f"{fam.name(kind)}_with_status")
         batch = sh._place_batch(hb, mesh)
-        text = fn.lower(*arrays, shd.params, shd.cache, batch).compile().as_text()
-        inspect_hlo(text, pool_shapes, f"{what} {kind}", allowed_reduce=out_shape)
+        compiled = fn.lower(*arrays, shd.params, shd.cache, batch).compile()
+        inspect_hlo(compiled.as_text(), pool_shapes, f"{what} {kind}", allowed_reduce=out_shape)
         ptrs = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
                 for s in p.addressable_shards]
-        _, shd.cache, _ = fn(*arrays, shd.params, shd.cache, batch)
+        _, shd.cache, _ = compiled(*arrays, shd.params, shd.cache, batch)     # the program just inspected
         new = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
                for s in p.addressable_shards]
         if ptrs != new:
@@ -362,10 +362,12 @@ def scatter_output_check(fam):
     hb = sh.build_sharded_batch(reqs, num_slots=N, num_data=2, num_spec=fam.core.num_spec, token_bucket=T,
                                 row_bucket=S)
     hidden = sh.place(hb.pack([x[0] for x in inputs]), mesh, layer.hidden_spec)
-    text = layer.prefill_with_status.lower(hidden, p, cache, sh._place_batch(hb, mesh)).compile().as_text()
-    if len(re.findall(r"\breduce-scatter(-start)?\(", text)) != 1:
+    batch = sh._place_batch(hb, mesh)
+    compiled = layer.prefill_with_status.lower(hidden, p, cache, batch).compile()
+    if len(re.findall(r"\breduce-scatter(-start)?\(", compiled.as_text())) != 1:
         fail("scatter_output: the program should hold exactly one reduce-scatter")
-    out, cache = layer.prefill(hidden, p, cache, hb)
+    out, cache, status = compiled(hidden, p, cache, batch)
+    sh.check_sharded_status("prefill", status)
     if tuple(out.sharding.spec)[:1] != ((sh.DATA, sh.MODEL),) or any(tuple(out.sharding.spec)[1:]):
         fail(f"scatter_output: out is sharded {out.sharding.spec}")
     check("scatter_output prefill: out vs unsharded", rel_rmse_local(out, hb.pack(ref.step(kind, reqs, inputs))), TOL)
@@ -412,7 +414,8 @@ def main():
     ap.add_argument("--what", choices=["core", "layer"], default="core")
     ap.add_argument("--impl", default="native")
     ap.add_argument("--meshes", default="2x1,4x1,2x2")
-    ap.add_argument("--reference-on", default="2x2", help="meshes also checked against the unsharded reference")
+    ap.add_argument("--reference-on", default="2x2", help="meshes also checked against the unsharded reference "
+                                                          "(comma-separated; 'none')")
     ap.add_argument("--layout", default="SD")
     ap.add_argument("--ckpt", default=None, help="layer checkpoint directory (written if missing)")
     ap.add_argument("--process-id", type=int, default=0)
@@ -432,7 +435,7 @@ def main():
     elif args.mode == "mesh":
         for spec in args.meshes.split(","):
             tp, dp = (int(v) for v in spec.split("x"))
-            run_sequence(fam, args.impl, sh.make_mesh(tp=tp, dp=dp), with_reference=spec in args.reference_on)
+            run_sequence(fam, args.impl, sh.make_mesh(tp=tp, dp=dp), with_reference=spec in args.reference_on.split(","))
     elif args.mode == "dist":
         if "jax_cpu_collectives_implementation" in jax.config.values:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")

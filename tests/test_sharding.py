@@ -56,21 +56,59 @@ def _free_port() -> int:
 # --- subprocess cases ------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-Next checkpoint (interleaved in_proj rows) the layer cases load.
+    Its config is the worker's (CFG, HIDDEN, LAYER); the loader refuses any mismatch."""
+    import jax
+    from gdn_jax.checkpoint import save_checkpoint
+    from gdn_jax.layer import GDNLayerConfig, GDNLayerParams
+
+    path = str(tmp_path_factory.mktemp("gdn_shard_ckpt"))
+    cfg = GDNLayerConfig(hidden_size=64, core=GDNConfig(4, 8, 16, 16, num_spec=2, act_dtype=np.float32))
+    save_checkpoint(path, cfg, {1: GDNLayerParams.random(cfg, jax.random.PRNGKey(7))})
+    return path
+
+
 @needs_native
-def test_core_mesh_data2_tp2_matches_unsharded_and_reference():
-    _run("mesh", "--meshes", "2x2")
+def test_layer_mesh_tp2_tp4_data2_tp2_match_unsharded_layer_and_reference(checkpoint):
+    """4 forced devices: tp = 2, tp = 4 and data 2 x tp 2, each process reading its shards
+    from the checkpoint, against the single-device layer (and, for 2 x 2, its reference)."""
+    _run("mesh", "--what", "layer", "--ckpt", checkpoint, "--meshes", "2x1,4x1,2x2")
+
+
+@needs_native
+def test_layer_two_processes_tp2_match_one_process(checkpoint):
+    _run_two_processes("--what", "layer", "--ckpt", checkpoint)
+
+
+@needs_native
+def test_layer_compiled_steps_one_reduction_no_gather_pools_in_place(checkpoint):
+    """Also the reduce-scatter form (scatter_output=True) against the unsharded layer."""
+    _run("hlo", "--what", "layer", "--ckpt", checkpoint)
+
+
+@needs_native
+def test_core_mesh_data2_tp2_matches_unsharded():
+    _run("mesh", "--meshes", "2x2", "--reference-on", "none")
 
 
 @needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-def test_core_mesh_tp2_tp4_match_unsharded(layout):
-    _run("mesh", "--meshes", "2x1,4x1,2x2", "--layout", layout)
+def test_core_mesh_tp2_tp4_data2_tp2_match_unsharded_and_reference(layout):
+    _run("mesh", "--meshes", "2x1,4x1,2x2", "--reference-on", "2x2", "--layout", layout)
 
 
 @needs_native
 def test_core_compiled_steps_gather_nothing_and_update_pools_in_place():
     _run("hlo")
+
+
+@needs_native
+@pytest.mark.slow
+def test_core_compiled_steps_ds_layout():
+    _run("hlo", "--layout", "DS")
 
 
 def _run_two_processes(*extra, timeout=600):
@@ -93,6 +131,7 @@ def _run_two_processes(*extra, timeout=600):
 
 
 @needs_native
+@pytest.mark.slow
 def test_core_two_processes_tp2_match_one_process():
     _run_two_processes()
 

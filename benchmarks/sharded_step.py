@@ -1,0 +1,220 @@
+"""A sharded GDN layer step on this machine: 1 device vs 2 devices (tp = 2), and the
+collectives on their own, inside one process and across two processes (jax.distributed,
+gloo over loopback).
+
+    PYTHONPATH=. python benchmarks/sharded_step.py                 # everything (a few minutes)
+    PYTHONPATH=. python benchmarks/sharded_step.py --quick         # small shapes, few reps
+    PYTHONPATH=. python benchmarks/sharded_step.py --json out.json
+
+Shapes: Qwen3-Next-80B's GDN layer (hidden 2048, H = 16, HV = 32, K = V = 128, W = 4,
+bf16 activations, f32 state), the whole layer (in_proj -> core -> gated norm -> out_proj).
+Rows ("cases"): decode of B requests, and a prefill of one 512-token request.
+
+Columns, per case (medians over interleaved rounds, milliseconds):
+
+* ``1 dev``: the unsharded GatedDeltaNetLayer on one device (XLA's intra-op pool and our
+  kernels use both cores);
+* ``tp=1 mesh``: the sharded layer on a 1-device mesh (shard_map + status checks, no peer);
+* ``tp=2``: the sharded layer on 2 devices of one process (each shard half the heads);
+* ``psum``: the out_proj reduction alone, ``[T, hidden]`` f32 over the 2 devices, and
+  ``status``: the batch-status all-reduce alone (int32 [2, 5]);
+* ``psum 2 proc``: the same psum between two processes over gloo (what a 2-socket or
+  2-host deployment pays per layer step, at loopback speed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+ROLE = "main"
+if "--role" in sys.argv:
+    ROLE = sys.argv[sys.argv.index("--role") + 1]
+if ROLE == "main":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gdn_jax import GDNCache, GDNConfig, Request, build_batch, selected_isa  # noqa: E402
+from gdn_jax import sharding as sh  # noqa: E402
+from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams  # noqa: E402
+
+BF16 = jnp.bfloat16
+
+
+def layer_config(quick):
+    if quick:
+        return GDNLayerConfig(hidden_size=256, core=GDNConfig(4, 8, 64, 64))
+    return GDNLayerConfig(hidden_size=2048, core=GDNConfig(16, 32, 128, 128))
+
+
+def cases(quick):
+    if quick:
+        return [("decode B=8", "decode", [1] * 8), ("prefill 128", "prefill", [128])]
+    return [("decode B=1", "decode", [1]), ("decode B=8", "decode", [1] * 8), ("decode B=32", "decode", [1] * 32),
+            ("prefill 512", "prefill", [512])]
+
+
+def requests(kind, lens):
+    if kind == "decode":
+        return [Request.decode(i) for i in range(len(lens))]
+    return [Request.prefill(i, n) for i, n in enumerate(lens)]
+
+
+def bucket(n, lo=8):
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class Runner:
+    """One jitted call with the cache donated and threaded through; call() -> seconds."""
+
+    def __init__(self, fn, hidden, params, cache, batch):
+        self.fn, self.hidden, self.params, self.cache, self.batch = fn, hidden, params, cache, batch
+
+    def __call__(self):
+        t = time.perf_counter()
+        out, self.cache, status = self.fn(self.hidden, self.params, self.cache, self.batch)
+        out.block_until_ready()
+        return time.perf_counter() - t
+
+
+def runners(cfg, kind, lens, params_full, mesh1, mesh2, num_slots):
+    reqs = requests(kind, lens)
+    T, S = bucket(sum(lens)), bucket(len(lens), 1)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    out = {}
+    hb = build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=S)
+    layer = GatedDeltaNetLayer(cfg)
+    out["1 dev"] = Runner(getattr(layer, f"{kind}_with_status"), jnp.asarray(hidden, BF16), params_full,
+                          GDNCache.create(cfg.core, num_slots), hb.metadata.to_device())
+    for name, mesh in (("tp=1 mesh", mesh1), ("tp=2", mesh2)):
+        sl = sh.ShardedGatedDeltaNetLayer(cfg, mesh)
+        shb = sh.build_sharded_batch(reqs, num_slots=num_slots, num_data=1, token_bucket=T, row_bucket=S)
+        out[name] = Runner(getattr(sl, f"{kind}_with_status"),
+                           sh.place(hidden.astype(BF16), mesh, sl.hidden_spec), sl.shard_params(params_full),
+                           sl.create_cache(num_slots), sh._place_batch(shb, mesh))
+    return out, T
+
+
+def collective_runners(mesh, T, hidden):
+    """The out_proj psum and the status all-reduce, alone, as the layer runs them."""
+    x = sh.place(np.ones((T * 2, hidden), np.float32), mesh, sh.P(sh.MODEL, None))   # [T, hidden] per device
+    psum = jax.jit(sh.shard_map(lambda v: jax.lax.psum(v, sh.MODEL), mesh=mesh, in_specs=sh.P(sh.MODEL, None),
+                                out_specs=sh.P(sh.MODEL, None)))
+    st = sh.place(np.zeros((2, 4), np.int32), mesh, sh.P(sh.MODEL))
+    status = jax.jit(sh.shard_map(lambda s: sh._global_status(s[0], 1, 2)[None], mesh=mesh, in_specs=sh.P(sh.MODEL),
+                                  out_specs=sh.P(sh.MODEL)))
+
+    def timer(fn, arg):
+        def call():
+            t = time.perf_counter()
+            fn(arg).block_until_ready()
+            return time.perf_counter() - t
+        return call
+
+    return {"psum": timer(psum, x), "status": timer(status, st)}
+
+
+def interleaved(calls: dict, rounds: int, warmup: int = 2) -> dict:
+    """Median seconds per call; the calls take turns each round (the host is shared and noisy)."""
+    for _ in range(warmup):
+        for c in calls.values():
+            c()
+    times = {k: [] for k in calls}
+    for r in range(rounds):
+        order = list(calls) if r % 2 == 0 else list(reversed(calls))
+        for k in order:
+            times[k].append(calls[k]())
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def main_role(args):
+    cfg = layer_config(args.quick)
+    devs = jax.devices()
+    mesh1, mesh2 = sh.make_mesh(tp=1, devices=devs[:1]), sh.make_mesh(tp=2, devices=devs[:2])
+    params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))
+    rows = []
+    rounds = 5 if args.quick else args.rounds
+    for label, kind, lens in cases(args.quick):
+        calls, T = runners(cfg, kind, lens, params, mesh1, mesh2, num_slots=64 if not args.quick else 16)
+        calls.update(collective_runners(mesh2, T, cfg.hidden_size))
+        med = interleaved(calls, rounds)
+        row = {"case": label, "T": T, **{k: v * 1e3 for k, v in med.items()}}
+        row["psum_bytes"] = T * cfg.hidden_size * 4
+        rows.append(row)
+        print(f"{label:12s} T={T:4d}  " + "  ".join(f"{k} {v * 1e3:8.3f} ms" for k, v in med.items())
+              + f"  tp=2/1dev {med['tp=2'] / med['1 dev']:.2f}", flush=True)
+    return rows
+
+
+def dist_role(args):
+    """Two processes, one device each: the psum of [T, hidden] f32 between them over gloo."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=2,
+                               process_id=args.process_id)
+    mesh = sh.make_mesh(tp=2)
+    cfg = layer_config(args.quick)
+    out = {}
+    for label, _, lens in cases(args.quick):
+        T = bucket(sum(lens))
+        calls = collective_runners(mesh, T, cfg.hidden_size)
+        med = interleaved(calls, 5 if args.quick else args.rounds)
+        out[label] = {"psum 2 proc": med["psum"] * 1e3, "status 2 proc": med["status"] * 1e3}
+    if args.process_id == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    jax.distributed.shutdown()
+
+
+def two_process_collectives(args):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gdn_sharded_step_{os.getpid()}.json")
+    extra = ["--quick"] if args.quick else ["--rounds", str(args.rounds)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "dist", "--process-id", str(i),
+                               "--port", str(port), "--out", out, *extra]) for i in range(2)]
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit("the two-process collective run failed")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", default="main", choices=["main", "dist"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--json")
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.role == "dist":
+        return dist_role(args)
+    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}; "
+          f"ISA {selected_isa()}", flush=True)
+    rows = main_role(args)
+    cross = two_process_collectives(args)
+    for row in rows:
+        row.update(cross[row["case"]])
+        print(f"{row['case']:12s} psum between 2 processes {row['psum 2 proc']:8.3f} ms "
+              f"({row['psum_bytes'] / 2**10:.0f} KiB per device), status {row['status 2 proc']:.3f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
