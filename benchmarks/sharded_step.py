@@ -35,8 +35,9 @@ import time
 ROLE = "main"
 if "--role" in sys.argv:
     ROLE = sys.argv[sys.argv.index("--role") + 1]
+BASE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if ROLE == "main":
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    os.environ["XLA_FLAGS"] = (BASE_XLA_FLAGS + " --xla_force_host_platform_device_count=2").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -183,8 +184,9 @@ def two_process_collectives(args):
         port = s.getsockname()[1]
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gdn_sharded_step_{os.getpid()}.json")
     extra = ["--quick"] if args.quick else ["--rounds", str(args.rounds)]
+    env = dict(os.environ, XLA_FLAGS=BASE_XLA_FLAGS)          # one device per process
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "dist", "--process-id", str(i),
-                               "--port", str(port), "--out", out, *extra]) for i in range(2)]
+                               "--port", str(port), "--out", out, *extra], env=env) for i in range(2)]
     if any(p.wait() != 0 for p in procs):
         raise SystemExit("the two-process collective run failed")
     with open(out) as f:

@@ -190,7 +190,14 @@ def place(host, mesh: Mesh, spec: P) -> jax.Array:
     """A global array with ``spec`` on ``mesh`` from a host array every process holds whole;
     each process copies only the slices of its own devices (works under jax.distributed)."""
     host = np.asarray(host)
-    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
+    # dtype: a process without a shard of the array cannot infer it (older jax has no argument).
+    extra = {"dtype": host.dtype} if _callback_takes_dtype() else {}
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx], **extra)
+
+
+@functools.lru_cache(maxsize=1)
+def _callback_takes_dtype() -> bool:
+    return "dtype" in inspect.signature(jax.make_array_from_callback).parameters
 
 
 def _conv_state_spec(config: GDNConfig) -> P:
