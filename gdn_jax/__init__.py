@@ -25,6 +25,7 @@ from .paths import GDNAttention, commit_accepted, decode, gdn_attention_core, pr
 from .layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams
 from . import checkpoint, layer
 from .checkpoint import CheckpointError, gdn_layer_indices, load_layer_config, load_layer_params, load_layers
+from .sharding import ShardedGatedDeltaNetLayer, ShardedGDNAttention, make_mesh
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,9 @@ __all__ = [
     "GDNParams",
     "HostBatch",
     "PAD_SLOT_ID",
+    "ShardedGDNAttention",
+    "ShardedGatedDeltaNetLayer",
+    "make_mesh",
     "Request",
     "batch",
     "build_batch",

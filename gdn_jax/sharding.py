@@ -48,9 +48,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _checks, paths
-from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, HostBatch, batch_status, build_batch, \
-    status_message
+from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, batch_status, build_batch, status_message
+from .checkpoint import load_layer_params
 from .config import GDNCache, GDNConfig, GDNParams
+from .layer import LAYER_STEPS, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection
 
 __all__ = [
     "DATA",
@@ -554,8 +555,6 @@ class ShardedGDNAttention(_ShardedSteps):
 def layer_param_specs(params) -> Any:
     """PartitionSpecs of :class:`gdn_jax.layer.GDNLayerParams`: in_proj rows (output
     channels) over "model", out_proj columns over "model", the norm weight replicated."""
-    from .layer import GDNLayerParams
-
     rows = P(MODEL, None)
     return GDNLayerParams(in_proj_qkv=rows, in_proj_z=rows, in_proj_b=rows, in_proj_a=rows,
                           core=core_param_specs(params.core), norm_weight=P(), out_proj=P(None, MODEL))
@@ -583,8 +582,6 @@ def load_sharded_layer_params(path, layer: int, config, mesh: Mesh):
     (``gdn_jax.checkpoint.load_layer_params(..., key_heads=(h0, h1))``, whose local plain
     order is exactly that shard's block of the shard-major order) and places them with
     ``jax.make_array_from_single_device_arrays``. Nothing is gathered or re-read."""
-    from .checkpoint import load_layer_params
-
     dp, tp = mesh_shape(mesh)
     local_config(config.core, tp)
     h = config.H // tp
@@ -613,8 +610,6 @@ def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, 
     """One shard's layer step: in_proj of its channels, the core step under the global batch
     check, its gated norm, its partial out_proj in f32 and ONE reduction over "model" (psum,
     or reduce-scatter over tokens), rounded once to the act dtype, as the unsharded layer."""
-    from .layer import LAYER_STEPS, gated_rms_norm, in_projection
-
     core_kind = LAYER_STEPS[kind]
     batch = _squeeze_batch(batch)
     T = hidden.shape[0]
@@ -652,8 +647,6 @@ class ShardedGatedDeltaNetLayer(_ShardedSteps):
     """
 
     def __init__(self, config, mesh: Mesh, impl: str = "auto", *, scatter_output: bool = False):
-        from .layer import LAYER_STEPS, GDNLayerConfig
-
         if not isinstance(config, GDNLayerConfig):
             raise TypeError(f"config must be a GDNLayerConfig, got {type(config).__name__}")
         self.config, self.mesh, self.impl = config, mesh, impl
