@@ -1,21 +1,23 @@
-"""A sharded GDN layer step on this machine: 1 device vs 2 devices (tp = 2), and the
-collectives on their own, inside one process and across two processes (jax.distributed,
-gloo over loopback).
+"""A sharded GDN step on this machine (the core alone, then the whole layer): 1 device vs
+2 devices (tp = 2), and the collectives on their own, inside one process and across two
+processes (jax.distributed, gloo over loopback).
 
     PYTHONPATH=. python benchmarks/sharded_step.py                 # everything (a few minutes)
     PYTHONPATH=. python benchmarks/sharded_step.py --quick         # small shapes, few reps
     PYTHONPATH=. python benchmarks/sharded_step.py --json out.json
 
 Shapes: Qwen3-Next-80B's GDN layer (hidden 2048, H = 16, HV = 32, K = V = 128, W = 4,
-bf16 activations, f32 state), the whole layer (in_proj -> core -> gated norm -> out_proj).
-Rows ("cases"): decode of B requests, and a prefill of one 512-token request.
+bf16 activations, f32 state): "core" rows time the attention core (conv + gating +
+recurrence, ShardedGDNAttention), "layer" rows the whole layer (in_proj -> core -> gated norm
+-> out_proj, ShardedGatedDeltaNetLayer). Cases: decode of B requests, and a prefill of one
+512-token request.
 
 Columns, per case (medians over interleaved rounds, milliseconds):
 
-* ``1 dev``: the unsharded GatedDeltaNetLayer on one device (XLA's intra-op pool and our
-  kernels use both cores);
-* ``tp=1 mesh``: the sharded layer on a 1-device mesh (shard_map + status checks, no peer);
-* ``tp=2``: the sharded layer on 2 devices of one process (each shard half the heads);
+* ``1 dev``: the unsharded GDNAttention / GatedDeltaNetLayer on one device (XLA's intra-op
+  pool and our kernels use both cores);
+* ``tp=1 mesh``: the sharded step on a 1-device mesh (shard_map + status checks, no peer);
+* ``tp=2``: the sharded step on 2 devices of one process (each shard half the heads);
 * ``psum``: the out_proj reduction alone, ``[T, hidden]`` f32 over the 2 devices, and
   ``status``: the batch-status all-reduce alone (int32 [2, 5]);
 * ``psum 2 proc``: the same psum between two processes over gloo (what a 2-socket or
@@ -43,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gdn_jax import GDNCache, GDNConfig, Request, build_batch, selected_isa  # noqa: E402
+from gdn_jax import GDNAttention, GDNCache, GDNConfig, Request, build_batch, selected_isa  # noqa: E402
 from gdn_jax import sharding as sh  # noqa: E402
 from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams  # noqa: E402
 
@@ -79,32 +81,43 @@ def bucket(n, lo=8):
 class Runner:
     """One jitted call with the cache donated and threaded through; call() -> seconds."""
 
-    def __init__(self, fn, hidden, params, cache, batch):
-        self.fn, self.hidden, self.params, self.cache, self.batch = fn, hidden, params, cache, batch
+    def __init__(self, fn, arrays, params, cache, batch):
+        self.fn, self.arrays, self.params, self.cache, self.batch = fn, arrays, params, cache, batch
 
     def __call__(self):
         t = time.perf_counter()
-        out, self.cache, status = self.fn(self.hidden, self.params, self.cache, self.batch)
+        out, self.cache, status = self.fn(*self.arrays, self.params, self.cache, self.batch)
         out.block_until_ready()
         return time.perf_counter() - t
 
 
-def runners(cfg, kind, lens, params_full, mesh1, mesh2, num_slots):
+def runners(what, cfg, kind, lens, params_full, mesh1, mesh2, num_slots):
+    """{column: Runner} for the layer (what="layer") or the core alone (what="core")."""
     reqs = requests(kind, lens)
     T, S = bucket(sum(lens)), bucket(len(lens), 1)
     rng = np.random.default_rng(0)
-    hidden = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    core = cfg.core
+    if what == "layer":
+        host = [rng.standard_normal((T, cfg.hidden_size)).astype(np.float32).astype(BF16)]
+        unsharded, sharded, params_full = GatedDeltaNetLayer(cfg), sh.ShardedGatedDeltaNetLayer, params_full
+        step = kind
+    else:
+        host = [rng.standard_normal((T, w)).astype(np.float32).astype(BF16) for w in (core.D, core.HV, core.HV)]
+        unsharded, sharded, params_full = GDNAttention(core), sh.ShardedGDNAttention, params_full.core
+        step = kind
     out = {}
     hb = build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=S)
-    layer = GatedDeltaNetLayer(cfg)
-    out["1 dev"] = Runner(getattr(layer, f"{kind}_with_status"), jnp.asarray(hidden, BF16), params_full,
-                          GDNCache.create(cfg.core, num_slots), hb.metadata.to_device())
+    out["1 dev"] = Runner(getattr(unsharded, f"{step}_with_status"), [jnp.asarray(x) for x in host], params_full,
+                          GDNCache.create(core, num_slots), hb.metadata.to_device())
     for name, mesh in (("tp=1 mesh", mesh1), ("tp=2", mesh2)):
-        sl = sh.ShardedGatedDeltaNetLayer(cfg, mesh)
+        eng = sharded(cfg if what == "layer" else core, mesh)
         shb = sh.build_sharded_batch(reqs, num_slots=num_slots, num_data=1, token_bucket=T, row_bucket=S)
-        out[name] = Runner(getattr(sl, f"{kind}_with_status"),
-                           sh.place(hidden.astype(BF16), mesh, sl.hidden_spec), sl.shard_params(params_full),
-                           sl.create_cache(num_slots), sh._place_batch(shb, mesh))
+        arrays = list(host)
+        if what == "core":       # plain -> shard-major channels, once, outside the timing
+            arrays[0] = np.asarray(arrays[0])[:, sh.qkv_channel_order(core, sh.mesh_shape(mesh)[1])]
+        placed = [sh.place(x, mesh, spec) for x, spec in zip(arrays, eng._array_specs)]
+        out[name] = Runner(getattr(eng, f"{step}_with_status"), placed, eng.shard_params(params_full),
+                           eng.create_cache(num_slots), sh._place_batch(shb, mesh))
     return out, T
 
 
@@ -147,15 +160,17 @@ def main_role(args):
     params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))
     rows = []
     rounds = 5 if args.quick else args.rounds
-    for label, kind, lens in cases(args.quick):
-        calls, T = runners(cfg, kind, lens, params, mesh1, mesh2, num_slots=64 if not args.quick else 16)
-        calls.update(collective_runners(mesh2, T, cfg.hidden_size))
-        med = interleaved(calls, rounds)
-        row = {"case": label, "T": T, **{k: v * 1e3 for k, v in med.items()}}
-        row["psum_bytes"] = T * cfg.hidden_size * 4
-        rows.append(row)
-        print(f"{label:12s} T={T:4d}  " + "  ".join(f"{k} {v * 1e3:8.3f} ms" for k, v in med.items())
-              + f"  tp=2/1dev {med['tp=2'] / med['1 dev']:.2f}", flush=True)
+    for what in args.what.split(","):
+        for label, kind, lens in cases(args.quick):
+            calls, T = runners(what, cfg, kind, lens, params, mesh1, mesh2, num_slots=16 if args.quick else 64)
+            if what == "layer":
+                calls.update(collective_runners(mesh2, T, cfg.hidden_size))
+            med = interleaved(calls, rounds)
+            row = {"what": what, "case": label, "T": T, **{k: v * 1e3 for k, v in med.items()},
+                   "psum_bytes": T * cfg.hidden_size * 4, "load_avg": os.getloadavg()[0]}
+            rows.append(row)
+            print(f"{what:5s} {label:12s} T={T:4d}  " + "  ".join(f"{k} {v * 1e3:8.3f} ms" for k, v in med.items())
+                  + f"  tp=2/1dev {med['tp=2'] / med['1 dev']:.2f}  (load avg {row['load_avg']:.1f})", flush=True)
     return rows
 
 
@@ -198,6 +213,7 @@ def main():
     ap.add_argument("--role", default="main", choices=["main", "dist"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--what", default="core,layer", help="core, layer or both (comma-separated)")
     ap.add_argument("--json")
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
@@ -210,6 +226,8 @@ def main():
     rows = main_role(args)
     cross = two_process_collectives(args)
     for row in rows:
+        if row["what"] != "layer":
+            continue
         row.update(cross[row["case"]])
         print(f"{row['case']:12s} psum between 2 processes {row['psum 2 proc']:8.3f} ms "
               f"({row['psum_bytes'] / 2**10:.0f} KiB per device), status {row['status 2 proc']:.3f} ms", flush=True)

@@ -136,6 +136,14 @@ def test_core_two_processes_tp2_match_one_process():
     _run_two_processes()
 
 
+@needs_native
+@pytest.mark.slow
+def test_example_runs_three_ways_and_they_agree():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "sharded_layer.py")], env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "they agree" in proc.stdout, (proc.stdout + proc.stderr)[-6000:]
+
+
 # --- in-process: host-side pieces ------------------------------------------------------------
 
 CFG = GDNConfig(4, 8, 16, 32, num_spec=2)
