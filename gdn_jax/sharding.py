@@ -232,18 +232,23 @@ def create_cache(config: GDNConfig, mesh: Mesh, num_slots: int) -> GDNCache:
     return make()
 
 
+def _place_tree(host, specs, mesh: Mesh):
+    return jax.tree_util.tree_map(lambda x, s: place(x, mesh, s), host, specs)
+
+
+def _core_to_shard_major(core: GDNParams, order: np.ndarray) -> GDNParams:
+    """Host core params with the conv weight (and bias) rows in shard-major order."""
+    return dataclasses.replace(core, conv_weight=core.conv_weight[order],
+                               conv_bias=None if core.conv_bias is None else core.conv_bias[order])
+
+
 def shard_core_params(params: GDNParams, config: GDNConfig, mesh: Mesh) -> GDNParams:
     """Full (plain-order) core params -> sharded: conv weight/bias rows in shard-major order
     over "model", A_log / dt_bias split by value head."""
     params.validate(config)
-    _, tp = mesh_shape(mesh)
-    order = qkv_channel_order(config, tp)
-    specs = core_param_specs(params)
-    conv_bias = None if params.conv_bias is None else place(np.asarray(params.conv_bias)[order], mesh,
-                                                            specs.conv_bias)
-    return GDNParams(A_log=place(params.A_log, mesh, specs.A_log), dt_bias=place(params.dt_bias, mesh, specs.dt_bias),
-                     conv_weight=place(np.asarray(params.conv_weight)[order], mesh, specs.conv_weight),
-                     conv_bias=conv_bias)
+    order = qkv_channel_order(config, mesh_shape(mesh)[1])
+    host = _core_to_shard_major(jax.tree_util.tree_map(np.asarray, params), order)
+    return _place_tree(host, core_param_specs(params), mesh)
 
 
 # ---------------------------------------------------------------------------------------
@@ -565,15 +570,10 @@ def shard_layer_params(params, config, mesh: Mesh):
     them) -> sharded: in_proj_qkv rows and the conv weight permuted to shard-major order
     once, here, so that each shard's projection yields its own plain ``[q_r | k_r | v_r]``."""
     params.validate(config)
-    _, tp = mesh_shape(mesh)
-    order = qkv_channel_order(config.core, tp)
-    specs = layer_param_specs(params)
+    order = qkv_channel_order(config.core, mesh_shape(mesh)[1])
     host = jax.tree_util.tree_map(np.asarray, params)
-    host = dataclasses.replace(host, in_proj_qkv=host.in_proj_qkv[order],
-                               core=dataclasses.replace(host.core, conv_weight=host.core.conv_weight[order],
-                                                        conv_bias=None if host.core.conv_bias is None else
-                                                        host.core.conv_bias[order]))
-    return jax.tree_util.tree_map(lambda x, s: place(x, mesh, s), host, specs)
+    host = dataclasses.replace(host, in_proj_qkv=host.in_proj_qkv[order], core=_core_to_shard_major(host.core, order))
+    return _place_tree(host, layer_param_specs(params), mesh)
 
 
 def load_sharded_layer_params(path, layer: int, config, mesh: Mesh):
@@ -587,6 +587,9 @@ def load_sharded_layer_params(path, layer: int, config, mesh: Mesh):
     h = config.H // tp
     devices = np.asarray(mesh.devices).reshape(dp, tp)
     mine = {r for r in range(tp) for d in range(dp) if devices[d, r].process_index == jax.process_index()}
+    if not mine:
+        raise ValueError(f"process {jax.process_index()} has no device in the mesh; call load_params only on "
+                         f"the processes that serve the layer")
     shards = {r: jax.tree_util.tree_map(np.asarray, load_layer_params(path, layer, config, key_heads=(r * h, (r + 1) * h)))
               for r in sorted(mine)}
     any_shard = shards[min(shards)]
