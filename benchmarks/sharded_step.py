@@ -205,7 +205,9 @@ def two_process_collectives(args):
     if any(p.wait() != 0 for p in procs):
         raise SystemExit("the two-process collective run failed")
     with open(out) as f:
-        return json.load(f)
+        result = json.load(f)
+    os.remove(out)
+    return result
 
 
 def main():

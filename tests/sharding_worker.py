@@ -426,8 +426,10 @@ def main():
     fam = Family("core", core)
     if args.what == "layer":
         from gdn_jax.layer import GDNLayerConfig
-        fam = Family("layer", GDNLayerConfig(hidden_size=HIDDEN, core=core, model_type="qwen3_next"),
-                     args.ckpt or tempfile.mkdtemp(prefix="gdn_shard_ckpt_"))
+        if args.ckpt is None:
+            scratch = tempfile.TemporaryDirectory(prefix="gdn_shard_ckpt_")     # removed at exit
+            args.ckpt = scratch.name
+        fam = Family("layer", GDNLayerConfig(hidden_size=HIDDEN, core=core, model_type="qwen3_next"), args.ckpt)
         if args.mode != "dist" and not os.path.exists(os.path.join(fam.ckpt, "config.json")):
             write_checkpoint(fam.ckpt, fam.cfg)
     if args.mode == "write-checkpoint":
