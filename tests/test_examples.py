@@ -31,8 +31,9 @@ IMPL_ARGS = [pytest.param("native", id="native") if NATIVE_READY else pytest.par
 
 
 def test_every_example_is_tested():
+    # sharded_layer.py runs in tests/test_sharding.py (its slow set: three runs, two processes)
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["prefill_then_decode.py", "serving_loop.py",
-                                                             "speculative_decode.py"]
+                                                             "sharded_layer.py", "speculative_decode.py"]
 
 
 @native
