@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "gdn/dispatch.h"
+#include "parallel.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -27,6 +28,7 @@ XLA_FFI_Error* GdnCopySlots(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnReport(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBatchStatus(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnStep(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnBandwidthProbe(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -66,6 +68,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["report"] = capsule(gdn::GdnReport);
     d["batch_status"] = capsule(gdn::GdnBatchStatus);
     d["step"] = capsule(gdn::GdnStep);
+    d["bandwidth_probe"] = capsule(gdn::GdnBandwidthProbe);  // benchmarks only
     return d;
   });
   // The XLA FFI API version of the headers this module was compiled with: a jaxlib whose own
@@ -94,6 +97,21 @@ NB_MODULE(_gdn_ffi, m) {
         return peak_gflops(t.bf16_dot_probe, t.bf16_dot_probe_flops, threads, seconds);
       },
       nb::arg("threads") = 1, nb::arg("seconds") = 0.2);
+  m.def(
+      "parallel_counters",
+      [](bool reset) {
+        // Benchmark-only: the fork/join counters of make_parallel (parallel.h), summed since
+        // the last reset.
+        static const char* names[gdn::kNumParallelCounters] = {
+            "jobs", "helpers", "helper_start_ns", "helper_start_max_ns", "late_helpers",
+            "helper_ranges", "ranges", "join_wait_ns", "join_sleeps"};
+        int64_t v[gdn::kNumParallelCounters];
+        gdn::parallel_counters(v, reset);
+        nb::dict d;
+        for (int i = 0; i < gdn::kNumParallelCounters; ++i) d[names[i]] = v[i];
+        return d;
+      },
+      nb::arg("reset") = false);
   m.def(
       "select_isa",
       [](const std::string& name) {

@@ -22,6 +22,15 @@ namespace {
 // B = 1 (~0.2 ms) ran ~12% faster with this poll (ffi/README.md, "Threads").
 constexpr auto kJoinPoll = std::chrono::microseconds(50);
 
+std::atomic<int64_t> g_counters[kNumParallelCounters];
+
+inline void count(ParallelCounter c, int64_t v) { g_counters[c].fetch_add(v, std::memory_order_relaxed); }
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -41,12 +50,12 @@ struct Job {
 
   bool finished() const { return done.load(std::memory_order_acquire) == num_ranges; }
 
-  // Runs ranges until none is left. Touches body/body_ctx only for claimed ranges, which
-  // the caller waits for, so a late helper never uses a dead frame.
-  void drain() {
-    for (;;) {
+  // Runs ranges until none is left; returns how many. Touches body/body_ctx only for claimed
+  // ranges, which the caller waits for, so a late helper never uses a dead frame.
+  int64_t drain() {
+    for (int64_t ran = 0;; ++ran) {
       const int64_t r = next.fetch_add(1, std::memory_order_relaxed);
-      if (r >= num_ranges) return;
+      if (r >= num_ranges) return ran;
       const int64_t b = r * step, e = std::min(n, b + step);
       body(body_ctx, b, e);
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == num_ranges) {
@@ -71,19 +80,43 @@ void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ct
   job->step = (n + num_ranges - 1) / num_ranges;
   job->num_ranges = (n + job->step - 1) / job->step;
   const int64_t helpers = std::min<int64_t>(threads, job->num_ranges - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool->Schedule([job] { job->drain(); });
+  const int64_t t_sched = now_ns();
+  for (int64_t i = 0; i < helpers; ++i)
+    pool->Schedule([job, t_sched] {
+      const int64_t late = now_ns() - t_sched;
+      count(kHelperStartNs, late);
+      int64_t prev = g_counters[kHelperStartMaxNs].load(std::memory_order_relaxed);
+      while (late > prev && !g_counters[kHelperStartMaxNs].compare_exchange_weak(prev, late)) {
+      }
+      const int64_t ran = job->drain();
+      count(kHelperRanges, ran);
+      if (ran == 0) count(kLateHelpers, 1);
+    });
   job->drain();
+  const int64_t t_join = now_ns();
   // Poll (yielding, so that a helper sharing this core runs) before sleeping: see kJoinPoll.
   const auto poll_end = std::chrono::steady_clock::now() + kJoinPoll;
   while (!job->finished() && std::chrono::steady_clock::now() < poll_end) {
     for (int i = 0; i < 16; ++i) cpu_relax();
     std::this_thread::yield();
   }
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->finished(); });
+  if (!job->finished()) {
+    count(kJoinSleeps, 1);
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->finished(); });
+  }
+  count(kJobs, 1);
+  count(kHelpers, helpers);
+  count(kRanges, job->num_ranges);
+  count(kJoinWaitNs, now_ns() - t_join);
 }
 
 }  // namespace
+
+void parallel_counters(int64_t out[kNumParallelCounters], bool reset) {
+  for (int i = 0; i < kNumParallelCounters; ++i)
+    out[i] = reset ? g_counters[i].exchange(0, std::memory_order_relaxed) : g_counters[i].load(std::memory_order_relaxed);
+}
 
 Parallel make_parallel(xla::ffi::ThreadPool* pool) {
   Parallel p;

@@ -8,4 +8,20 @@ namespace gdn {
 // The returned Parallel refers to `pool`; use it only during the handler call.
 Parallel make_parallel(xla::ffi::ThreadPool* pool);
 
+// Benchmarks only: what the fork/joins of make_parallel cost, summed since the last reset
+// (relaxed counters, a clock read per helper start and per join). Indices of parallel_counters.
+enum ParallelCounter {
+  kJobs,             // parallel-fors that scheduled helpers
+  kHelpers,          // helper tasks scheduled
+  kHelperStartNs,    // sum over helpers of (start - schedule) in ns
+  kHelperStartMaxNs, // the largest of those
+  kLateHelpers,      // helpers that found no range left
+  kHelperRanges,     // ranges run by helpers (the rest ran on the caller)
+  kRanges,           // ranges in all
+  kJoinWaitNs,       // caller's time from its last range to the end of the job
+  kJoinSleeps,       // joins that went past the poll into the condition variable
+  kNumParallelCounters
+};
+void parallel_counters(int64_t out[kNumParallelCounters], bool reset);
+
 }  // namespace gdn
