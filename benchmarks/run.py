@@ -46,11 +46,12 @@ import gdn_jax  # noqa: E402
 from gdn_jax import ops  # noqa: E402
 
 import report  # noqa: E402
+import roofline  # noqa: E402
 import vllm_compare as vc  # noqa: E402
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * H * K + HV * V
-LLC_BYTES = 32 << 20
+LLC_BYTES = roofline.LLC_BYTES
 CHUNK = 64
 
 # --- timing ------------------------------------------------------------------------------------
@@ -238,6 +239,22 @@ def case_conv_update(rng, B, impl):
     return fn, (x, pool), 1, B, B * D * 2 * (2 * (W - 1) + 2), None
 
 
+def case_conv_update_spec(rng, S, Q, impl):
+    """The spec step's conv: S rows of Q tokens through the rolling buffer (W - 1 + Q - 1 rows)."""
+    T = S * Q
+    x = rnd(rng, (T, D), jnp.bfloat16)
+    w = rnd(rng, (D, W), jnp.bfloat16, 0.5)
+    N = max(S, 64)
+    pool = jnp.zeros((N, W - 1 + Q - 1, D), jnp.bfloat16)
+    idx = jnp.asarray(rng.permutation(N)[:S], jnp.int32)
+    qsl = jnp.arange(0, T + 1, Q, dtype=jnp.int32)
+    acc = jnp.asarray(rng.integers(1, Q + 1, size=S), jnp.int32)
+    fn = jax.jit(lambda x, pool: ops.causal_conv1d_update(
+        x, weight=w, bias=None, conv_state=pool, state_indices=idx, query_start_loc=qsl, num_accepted_tokens=acc,
+        impl=impl), donate_argnums=1)
+    return fn, (x, pool), 1, T, S * (W - 1 + Q - 1) * D * 2 * 2 + 2 * T * D * 2, None
+
+
 def case_gating(rng, T, impl):
     a, b = rnd(rng, (T, HV), jnp.bfloat16), rnd(rng, (T, HV), jnp.bfloat16)
     A_log = jnp.zeros((HV,), jnp.float32)
@@ -279,9 +296,13 @@ def cases(quick):
         return _op("conv_update", f"B={B}", lambda r, i: case_conv_update(r, B, i), unit="bytes",
                    vllm=(f"decode_b{B}", vc.CONV_UPDATE), x=B)
 
+    def gating(lens):
+        lab = f"T={lens[0]}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
+        vcase = f"prefill_{lens[0]}" if len(lens) == 1 else f"prefill_{len(lens)}x{lens[0]}"
+        return _op("gating", lab, lambda r, i: case_gating(r, sum(lens), i), vllm=(vcase, vc.GATING))
+
     out = [
-        _op("gating", "T=8192", lambda r, i: case_gating(r, 8192, i), vllm=("prefill_8192", vc.GATING)),
-        conv_upd(8), conv_fwd([2048]), dec(8, f32), spec(f32), chunk([512], f32),
+        gating([8192]), conv_upd(8), conv_fwd([2048]), dec(8, f32), spec(f32), chunk([512], f32),
     ]
     if quick:
         return out
@@ -289,6 +310,9 @@ def cases(quick):
         conv_upd(1), conv_upd(32), conv_fwd([512]), conv_fwd([8192]), conv_fwd([512] * 4),
         dec(1, f32), dec(32, f32), dec(1, bf16), dec(8, bf16), dec(32, bf16), spec(bf16),
         chunk([2048], f32), chunk([8192], f32), chunk([512] * 4, f32), chunk([2048], bf16),
+        # The rest of the layer steps' kernels, for the step / sum-of-kernels ratios.
+        gating([512]), gating([2048]), gating([512] * 4),
+        _op("conv_update", "spec 8x4", lambda r, i: case_conv_update_spec(r, 8, 4, i), unit="bytes"),
         # Cost independent of the pool size (native only: the reference is not the point here).
         _op("decode_pool", "B=8 N=64 bf16", lambda r, i: case_decode_pool(r, 8, 64, i), unit="bytes",
             state="bf16", impls=("native",)),
@@ -303,6 +327,15 @@ def cases(quick):
 # its rows (threshold 0.05 cores, after waiting for quiet), so both sides of a ratio get one policy.
 OP_ATTEMPTS = 3
 OP_FOREIGN_MAX = 0.1
+# Re-measuring (ops) and waiting for quiet (layer rows against the baseline) stop once the run has
+# lasted RETRY_BUDGET_S: on a host that is never quiet they would otherwise triple its length, and
+# `make bench` must end within 15 minutes. The rows measured once are marked (attempts = 1).
+RETRY_BUDGET_S = 480.0
+_RUN_T0 = [time.perf_counter()]
+
+
+def retry_time_left():
+    return RETRY_BUDGET_S - (time.perf_counter() - _RUN_T0[0])
 
 
 def quietest(measure, attempts):
@@ -314,7 +347,7 @@ def quietest(measure, attempts):
         fc = st.get("foreign_cores")
         if best is None or (fc is not None and fc < (best.get("foreign_cores") or 0)):
             best = st
-        if fc is None or fc <= OP_FOREIGN_MAX:
+        if fc is None or fc <= OP_FOREIGN_MAX or retry_time_left() <= 0:
             break
     best["attempts"] = attempt
     return best
@@ -323,6 +356,7 @@ def quietest(measure, attempts):
 def run_ops(quick, impls, target):
     rows = []
     all_cases = cases(quick)
+    t_start = time.perf_counter()
     for n, c in enumerate(all_cases, 1):
         row = dict(op=c["op"], case=c["case"], state=c["state"], x=c["x"], unit=c["unit"],
                    vllm_case=c["vllm"][0] if c["vllm"] else None)
@@ -340,56 +374,8 @@ def run_ops(quick, impls, target):
         rows.append(row)
         cols = "  ".join(f"{i} {row[i]['median_ms']:9.3f} ms" for i in impls if i in row)
         sp = f"  x{row['speedup_vs_reference']:.1f}" if "speedup_vs_reference" in row else ""
-        print(f"[ops {n}/{len(all_cases)}] {c['op']:12s} {c['case']:14s} {cols}{sp}", flush=True)
+        print(f"[ops {n}/{len(all_cases)} {time.perf_counter() - t_start:5.0f} s] {c['op']:12s} {c['case']:14s} {cols}{sp}", flush=True)
     return rows
-
-
-# --- roofline ---------------------------------------------------------------------------------
-
-
-def copy_bandwidth_gbs(nbytes=256 << 20, reps=5):
-    """Median copy bandwidth (read + write bytes) of a 2-thread memcpy-like copy (numpy, halves)."""
-    import concurrent.futures as cf
-
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    half = src.size // 2
-    ts = []
-    with cf.ThreadPoolExecutor(2) as ex:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            list(ex.map(lambda sl: np.copyto(dst[sl], src[sl]), [slice(0, half), slice(half, None)]))
-            ts.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(ts) / 1e9
-
-
-def fma_peak_gflops(threads):
-    from gdn_jax import _ffi
-
-    return max(_ffi._gdn_ffi.fma_peak_gflops(threads, 0.3) for _ in range(3))
-
-
-# ISAs whose kernels have a bf16 dot-product instruction, and the one their probe times.
-NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tdpbf16ps",
-                   "amx_model": "AMX-BF16 (software model)", "neon_bf16": "NEON BFMMLA"}
-
-
-def bf16_dot_peak(isa, threads, f32_peak):
-    """The bf16 dot-product peak of the selected ISA: measured by the module's bf16 probe when it has
-    one; on an ISA without a bf16 dot instruction, bf16 operands are widened to f32 and go through
-    the f32 FMAs, so the bf16 peak *is* the f32 FMA peak (said so, not invented)."""
-    from gdn_jax import _ffi
-
-    probe = getattr(_ffi._gdn_ffi, "bf16_dot_peak_gflops", None)  # None: a build without it
-    first = probe(threads, 0.3) if probe is not None else None       # None: no bf16 dot instruction
-    if first is not None:
-        peak = max([first] + [probe(threads, 0.3) for _ in range(2)])
-        return peak, f"measured: bf16 dot probe of the {isa} kernels ({NATIVE_BF16_DOT[isa]}), {threads} threads"
-    if isa in NATIVE_BF16_DOT:
-        return None, (f"not measured: {isa} has {NATIVE_BF16_DOT[isa]} but this build of the native module has "
-                      f"no bf16 probe; prefill fractions use the f32 FMA peak")
-    return f32_peak, (f"= f32 FMA peak: {isa} has no bf16 dot-product instruction (no AVX512-BF16/AMX), "
-                      f"bf16 operands are converted to f32 and use the same FMAs")
 
 
 # --- layer: serving steps against the fast pure-JAX baseline ---------------------------------------
@@ -451,6 +437,99 @@ def layer_step(call, target, tokens):
     return stats(times, snap0, tokens)
 
 
+# The "other XLA work" between two steps of a model (projections, MLP, attention): a jitted block of
+# bf16 matmuls of about MATMUL_BLOCK_MS, sized once per run on this machine.
+MATMUL_BLOCK_MS = 50.0
+_MATMUL_BLOCK = {}
+
+
+def matmul_block():
+    """(call, median ms) of a jitted chain of 768 x 768 bf16 matmuls lasting about MATMUL_BLOCK_MS."""
+    if "call" in _MATMUL_BLOCK:
+        return _MATMUL_BLOCK["call"], _MATMUL_BLOCK["ms"]
+    m = 768
+    x = jnp.ones((m, m), jnp.bfloat16) / m
+    w = jnp.ones((m, m), jnp.bfloat16)
+
+    def make(n):
+        @jax.jit
+        def f(x, w):
+            for _ in range(n):
+                x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16) / m
+            return x
+        return lambda: jax.block_until_ready(f(x, w))
+
+    def ms(call, reps=5):
+        call()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            call()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(ts))
+
+    n = max(1, round(MATMUL_BLOCK_MS / ms(make(1))))
+    call = make(n)
+    _MATMUL_BLOCK.update(call=call, ms=ms(call), n=n)
+    return call, _MATMUL_BLOCK["ms"]
+
+
+def _counters():
+    from gdn_jax import _ffi
+
+    f = getattr(_ffi._gdn_ffi, "parallel_counters", None)
+    return f(True) if f is not None else None
+
+
+def _fork_join(cs):
+    """Per-call means of make_parallel's counters (parallel.h) over a list of per-call dicts."""
+    cs = [c for c in cs if c]
+    if not cs:
+        return None
+    tot = {k: sum(c[k] for c in cs) for k in cs[0]}
+    jobs, helpers = max(tot["jobs"], 1), max(tot["helpers"], 1)
+    return dict(jobs_per_call=tot["jobs"] / len(cs), helper_start_us=tot["helper_start_ns"] / helpers / 1e3,
+                late_helper_frac=tot["late_helpers"] / helpers, helper_range_frac=tot["helper_ranges"] / max(tot["ranges"], 1),
+                join_wait_us=tot["join_wait_ns"] / jobs / 1e3, join_sleep_frac=tot["join_sleeps"] / jobs)
+
+
+def empty_call_ms(target):
+    """Median of an empty jitted call (one [1, D] bf16 argument, a slice of it back): the fixed cost
+    of any jitted step, which the decode B = 1 target allows for."""
+    x = jnp.zeros((1, D), jnp.bfloat16)
+    f = jax.jit(lambda x: x[:, :1])
+    call = lambda: jax.block_until_ready(f(x))  # noqa: E731
+    call()
+    return layer_step(call, min(target, 0.5), 1)["median_ms"]
+
+
+def interleaved_step(call, target, tokens):
+    """The step after other XLA work, as in a model: a matmul block (untimed), then the step (timed:
+    "interleaved"), then the step again right after it (timed: "back to back"), in turn, so that the
+    two conditions see the same machine. Returns (interleaved stats, back-to-back stats, fork/join
+    counters of each)."""
+    block, block_ms = matmul_block()
+    step_ms = max(layer_step(call, 0.0, tokens)["median_ms"], 1e-3)
+    n = int(min(30, max(8, target * 1e3 / (block_ms + 2 * step_ms))))
+    inter, b2b, c_inter, c_b2b = [], [], [], []
+    snap0 = _cpu_snapshot()
+    for _ in range(n):
+        block()
+        _counters()
+        t0 = time.perf_counter()
+        call()
+        inter.append((time.perf_counter() - t0) * 1e3)
+        c_inter.append(_counters())
+        t0 = time.perf_counter()
+        call()
+        b2b.append((time.perf_counter() - t0) * 1e3)
+        c_b2b.append(_counters())
+    si, sb = stats(inter, snap0, tokens), stats(b2b, snap0, tokens)
+    si.update(matmul_block_ms=block_ms, fork_join=_fork_join(c_inter))
+    sb.update(fork_join=_fork_join(c_b2b))
+    return si, sb
+
+
 class PairedBench:
     """Stands in for the jnp baseline's `bench(call, ...)` so that its call and ours run in turn
     (one each, the order swapped every pair): both see the same machine, so on a shared host the
@@ -488,7 +567,8 @@ class PairedBench:
             best[1]["attempts"] = attempt  # attempts made, as the baseline's bench reports it
             if self.wait is None or (base["foreign_cores"] or 0) <= self.foreign_max or attempt == retries:
                 break
-            self.wait()
+            if self.wait() is False:  # out of the run's retry budget
+                break
         self.ours = best[0]
         return best[1]
 
@@ -536,16 +616,23 @@ def run_layer(quick, target, baseline_path, no_wait):
     if bl is not None and no_wait:
         bl.FOREIGN_MAX = float("inf")  # do not wait for quiet and re-measure (a smoke run, a busy machine)
     rows = []
-    for case in layer_cases(quick):
+    all_cases = layer_cases(quick)
+    empty = empty_call_ms(target)
+    t_start = time.perf_counter()
+    for n, case in enumerate(all_cases, 1):
         call = case["setup"]()
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
                    work=case["work"], vllm_case=case["vllm"][0])
-        if bl is None:
-            row["native"] = layer_step(call, target, case["tokens"])
-        else:
+        row["native"] = layer_step(call, target, case["tokens"])
+        row["empty_call_ms"] = empty
+        row["native_interleaved"], row["native_b2b_pair"] = interleaved_step(call, target, case["tokens"])
+        row["interleaved_over_b2b"] = row["native_interleaved"]["median_ms"] / row["native_b2b_pair"]["median_ms"]
+        if bl is not None:
             # The baseline times its own jitted call through bl.bench; PairedBench runs ours in turn with it.
-            paired = PairedBench(call, case["tokens"], bl.FOREIGN_MAX,
-                                 None if no_wait else lambda: bl.wait_until_quiet(60, threshold=bl.FOREIGN_MAX))
+            wait = (None if no_wait else
+                    lambda: retry_time_left() > 0 and bl.wait_until_quiet(min(20, retry_time_left()),
+                                                                          threshold=bl.FOREIGN_MAX))
+            paired = PairedBench(call, case["tokens"], bl.FOREIGN_MAX, wait)
             kind, args, sname = case["base"]
             saved, bl.bench = bl.bench, paired
             try:
@@ -560,18 +647,20 @@ def run_layer(quick, target, baseline_path, no_wait):
                     r = bl.time_prefill(c, args[0], sname, variant, target)
             finally:
                 bl.bench = saved
-            row["native"] = paired.ours
+            row["native_paired"] = paired.ours
             row["jnp_baseline"] = dict(variant=variant, median_ms=r["median_ms"], p10_ms=r["p10_ms"], p90_ms=r["p90_ms"],
                                        tokens_per_s=case["tokens"] / r["median_ms"] * 1e3,
                                        foreign_cores=r.get("foreign_cores"), paired=True)
             row["speedup_vs_jnp_baseline"] = r["median_ms"] / paired.ours["median_ms"]
-        ours = row["native"]
+        ours, inter = row["native"], row["native_interleaved"]
         del call
         gc.collect()
         rows.append(row)
         extra = (f"  jnp {row['jnp_baseline']['median_ms']:9.3f} ms  x{row['speedup_vs_jnp_baseline']:.2f}"
                  if "jnp_baseline" in row else "")
-        print(f"[layer] {row['case']:14s} {row['state']:5s} gdn_jax {ours['median_ms']:9.3f} ms{extra}", flush=True)
+        print(f"[layer {n}/{len(all_cases)} {time.perf_counter() - t_start:5.0f} s] {row['case']:14s} {row['state']:5s} "
+              f"gdn_jax {ours['median_ms']:9.3f} ms  interleaved {inter['median_ms']:9.3f} ms "
+              f"(x{row['interleaved_over_b2b']:.2f} its back-to-back pair){extra}", flush=True)
     return rows
 
 
@@ -732,21 +821,24 @@ def main(argv=None):
         else:
             vllm["harness_error"] = run_info.get("error")
 
+    t_run = _RUN_T0[0] = time.perf_counter()  # our timings (vLLM's harness, above, not counted)
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    roof = dict(threads=threads, copy_bandwidth_runs=[], fma_peak_runs=[])
+    roof = dict(threads=threads, fma_peak_runs=[], **{f"{k}_bandwidth_runs": [] for k in roofline.BANDWIDTH_MODES})
 
     def measure_roofline(when):
         """Measured before and after the timings; the best of the two counts (others share the cores)."""
-        roof["copy_bandwidth_runs"].append(copy_bandwidth_gbs())
-        roof["fma_peak_runs"].append(fma_peak_gflops(threads))
-        roof["copy_bandwidth_gbs"] = max(roof["copy_bandwidth_runs"])
+        bws = roofline.bandwidths()
+        for k, v in bws.items():
+            roof[f"{k}_bandwidth_runs"].append(v)
+            roof[f"{k}_bandwidth_gbs"] = max(roof[f"{k}_bandwidth_runs"])
+        roof["fma_peak_runs"].append(roofline.fma_peak_gflops(threads))
         roof["fma_peak_gflops"] = max(roof["fma_peak_runs"])
-        roof["bf16_dot_peak_gflops"], roof["bf16_dot_peak_source"] = bf16_dot_peak(env["isa"], threads,
-                                                                                 roof["fma_peak_gflops"])
-        print(f"# roofline ({when}): copy bandwidth {roof['copy_bandwidth_runs'][-1]:.1f} GB/s (read+write, 2 "
-              f"threads), f32 FMA peak {roof['fma_peak_runs'][-1]:.1f} GFLOP/s ({env['isa']}, {threads} threads), "
-              f"bf16 dot peak {report.fmt(roof['bf16_dot_peak_gflops'], '.1f')} "
-              f"({roof['bf16_dot_peak_source']})", flush=True)
+        roof["bf16_dot_peak_gflops"], roof["bf16_dot_peak_source"] = roofline.bf16_dot_peak(env["isa"], threads,
+                                                                                          roof["fma_peak_gflops"])
+        print(f"# roofline ({when}): bandwidth (read + written, XLA's pool) read-modify-write {bws['rmw']:.1f} "
+              f"GB/s, read {bws['read']:.1f}, copy {bws['copy']:.1f}; f32 FMA peak {roof['fma_peak_runs'][-1]:.1f} "
+              f"GFLOP/s ({env['isa']}, {threads} threads), bf16 dot peak "
+              f"{report.fmt(roof['bf16_dot_peak_gflops'], '.1f')} ({roof['bf16_dot_peak_source']})", flush=True)
 
     measure_roofline("before")
     ops_rows = run_ops(args.quick, impls, target) if "ops" in sections else []
@@ -755,6 +847,7 @@ def main(argv=None):
         measure_roofline("after")
     for r in ops_rows + layer_rows:
         report.add_rates(r, r.get("native"), roof)
+        report.add_rates(r, r.get("native_interleaved"), roof, "_interleaved")
 
     vjson = vllm.pop("json", None)
     if vjson is not None:
@@ -762,7 +855,8 @@ def main(argv=None):
         vllm.update(vc.env_summary(vjson), avx512bf16_build=vc.is_avx512bf16_build(vjson),
                     errors=vc.Index(vjson).errors())
 
-    res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows)
+    env["duration_s"] = round(time.perf_counter() - t_run, 1)
+    res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows, chunk=CHUNK)
     res["targets"] = report.targets(res)
     # Plots beside the report (benchmarks/plots/ for a full run, committed with RESULTS.md).
     plots_dir = os.path.join(os.path.dirname(os.path.abspath(results_md)), "plots")

@@ -1,0 +1,86 @@
+"""The roofline of the benchmarks, measured natively in the run: memory bandwidth with the decode's
+own access pattern (in-place read-modify-write), read-only and copy, each inside a jitted XLA custom
+call on XLA's intra-op pool through the same fork/join as the kernels (`gdn_jax_bandwidth_probe`,
+ffi/src/handlers/probe.cc); the f32 FMA peak and the bf16 dot-product peak (probe.h)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LLC_BYTES = 32 << 20
+PIECE = 16384  # floats per work item of the probe (64 KiB, one f32 state head)
+
+# mode of the probe, and the bytes a call moves per byte of its buffer (read + written).
+BANDWIDTH_MODES = {"rmw": (0, 2), "read": (1, 1), "copy": (2, 2)}
+
+
+def _probe_call(mode):
+    from gdn_jax import _ffi  # noqa: F401  (registers the targets)
+
+    def f(src, dst):
+        return jax.ffi.ffi_call(
+            "gdn_jax_bandwidth_probe",
+            (jax.ShapeDtypeStruct(dst.shape, jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
+            input_output_aliases={1: 0})(src, dst, mode=np.int32(mode))
+
+    return jax.jit(f, donate_argnums=1)
+
+
+def bandwidth_gbs(kind, nbytes=8 * LLC_BYTES, reps=7):
+    """Median GB/s (bytes read + written) of `reps` probe calls of `kind` (rmw, read, copy) over a
+    buffer of nbytes (default 8x the LLC, so no pass finds its data in cache), after two untimed
+    calls that fault the pages in. A copy's stores count once: its read-for-ownership is not counted,
+    as no kernel's bytes count one."""
+    mode, per_byte = BANDWIDTH_MODES[kind]
+    n = max(PIECE, nbytes // 4 // PIECE * PIECE)
+    fn = _probe_call(mode)
+    dst = jnp.ones((n,), jnp.float32)
+    src = jnp.ones((n,), jnp.float32) if kind == "copy" else jnp.ones((PIECE,), jnp.float32)
+    ts = []
+    for i in range(reps + 2):
+        t0 = time.perf_counter()
+        dst, s = fn(src, dst)
+        jax.block_until_ready((dst, s))
+        if i >= 2:
+            ts.append(time.perf_counter() - t0)
+    if not np.isfinite(float(s[0])):
+        raise RuntimeError(f"bandwidth probe {kind}: non-finite checksum")
+    return per_byte * n * 4 / statistics.median(ts) / 1e9
+
+
+def bandwidths():
+    """The three bandwidths of one measurement, GB/s."""
+    return {k: bandwidth_gbs(k) for k in BANDWIDTH_MODES}
+
+
+def fma_peak_gflops(threads):
+    from gdn_jax import _ffi
+
+    return max(_ffi._gdn_ffi.fma_peak_gflops(threads, 0.3) for _ in range(3))
+
+
+# ISAs whose kernels have a bf16 dot-product instruction, and the one their probe times.
+NATIVE_BF16_DOT = {"avx512bf16": "AVX512-BF16 vdpbf16ps", "amx": "AMX-BF16 tdpbf16ps",
+                   "amx_model": "AMX-BF16 (software model)", "neon_bf16": "NEON BFMMLA"}
+
+
+def bf16_dot_peak(isa, threads, f32_peak):
+    """The bf16 dot-product peak of the selected ISA: measured by the module's bf16 probe when it has
+    one; on an ISA without a bf16 dot instruction, bf16 operands are widened to f32 and go through
+    the f32 FMAs, so the bf16 peak *is* the f32 FMA peak (said so, not invented)."""
+    from gdn_jax import _ffi
+
+    probe = getattr(_ffi._gdn_ffi, "bf16_dot_peak_gflops", None)  # None: a build without it
+    first = probe(threads, 0.3) if probe is not None else None       # None: no bf16 dot instruction
+    if first is not None:
+        peak = max([first] + [probe(threads, 0.3) for _ in range(2)])
+        return peak, f"measured: bf16 dot probe of the {isa} kernels ({NATIVE_BF16_DOT[isa]}), {threads} threads"
+    if isa in NATIVE_BF16_DOT:
+        return None, (f"not measured: {isa} has {NATIVE_BF16_DOT[isa]} but this build of the native module has "
+                      f"no bf16 probe; prefill fractions use the f32 FMA peak")
+    return f32_peak, (f"= f32 FMA peak: {isa} has no bf16 dot-product instruction (no AVX512-BF16/AMX), "
+                      f"bf16 operands are converted to f32 and use the same FMAs")
