@@ -293,7 +293,7 @@ def markdown(res, md_dir):
         L.append(f"| vLLM | {vllm.get('status')}" + (f": {vllm['error']}" if vllm.get("error") else "") + " |")
     bw_how = ("`gdn_jax_bandwidth_probe` (ffi/src/handlers/probe.cc): a jitted custom call on XLA's intra-op "
               "pool, forked and joined like the kernels, over 256 MiB (8x the LLC), 64 KiB pieces; bytes read + "
-              "written; best of before / after the timings")
+              "written; fastest of 7 calls, best of before / after the timings")
     L += ["", "## Roofline (measured in this run)", "", "| quantity | value | how |", "|---|---:|---|",
           f"| read-modify-write bandwidth | {fmt(roof.get('rmw_bandwidth_gbs'), '.1f')} GB/s | the decode's access "
           f"pattern: each slot read and written back in place; {bw_how} ({_runs(roof.get('rmw_bandwidth_runs'))}) |",

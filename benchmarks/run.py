@@ -93,8 +93,9 @@ MAX_ITERS = 5000
 
 def timeit(fn, args, *, donate_idx, tokens, rotate=None, min_iters=5, target_s=1.0, max_iters=MAX_ITERS):
     """Wall-time stats (ms) of fn(*args), threading the donated cache through the calls; rotate =
-    (argument position, [values]) cycles that argument (disjoint slot sets: cold state)."""
-    args = list(args)
+    (argument position, [values]) cycles that argument (disjoint slot sets: cold state). A list `args`
+    is updated in place, so that a second measurement (quietest) gets the live cache, not a donated one."""
+    args = args if isinstance(args, list) else list(args)
     calls = [0]
 
     def next_args():
@@ -365,6 +366,7 @@ def run_ops(quick, impls, target):
                 continue
             rng = np.random.default_rng(0)
             fn, fargs, didx, tokens, work, rot = c["make"](rng, impl)
+            fargs = list(fargs)
             row[impl] = quietest(lambda: timeit(fn, fargs, donate_idx=didx, tokens=tokens, rotate=rot,
                                                 target_s=target), 1 if quick else OP_ATTEMPTS)
             row.update(tokens=tokens, work=work)

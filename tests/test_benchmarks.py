@@ -377,6 +377,25 @@ def test_files_and_a_harness_run_are_merged(tmp_path):
     assert clash.exists()
 
 
+def test_a_second_measurement_gets_the_live_donated_cache():
+    """quietest() measures an op again with the same arguments: the donated cache of the first
+    measurement is gone, so timeit must leave the live one in the argument list."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, BENCH)
+    try:
+        run = _load("run")
+    finally:
+        sys.path.remove(BENCH)
+    fn = jax.jit(lambda x, c: (x, c + 1), donate_argnums=1)
+    args = [jnp.ones(4), jnp.zeros(1024)]
+    for _ in range(2):  # the second call failed with "Buffer has been deleted or donated"
+        st = run.timeit(fn, args, donate_idx=1, tokens=1, target_s=0.0)
+        assert st["iters"] >= 5
+    assert float(args[1][0]) == 2 * (2 + st["iters"])
+
+
 def test_quietest_retries_disturbed_measurements_and_keeps_the_quietest():
     run = _load("run")
     seq = []
