@@ -14,7 +14,11 @@ BANDWIDTH_NAMES = {"rmw": "read-modify-write bandwidth", "read": "read bandwidth
 
 def bandwidth_kind(row):
     """The bandwidth a bytes row is held to: a conv prefill reads x and writes a fresh output (copy);
-    decode, spec and the conv update read their state slots and write them back (read-modify-write)."""
+    decode and spec read their state slots from a pool 4x the LLC and write them back (read-modify-
+    write). None for the conv update: its 64-slot pool (3 MiB) stays in the LLC, so a DRAM roofline
+    does not bound it."""
+    if row.get("op") == "conv_update":
+        return None
     return "copy" if row.get("op") == "conv_fwd" else "rmw"
 
 
@@ -29,6 +33,8 @@ def add_rates(row, st, roof, suffix=""):
         rate, unit = row["work"] / st["median_ms"] / 1e6, "GB/s"
         row["gbs" + suffix] = rate
         kind = bandwidth_kind(row)
+        if kind is None:
+            return
         peak, name = roof.get(f"{kind}_bandwidth_gbs"), BANDWIDTH_NAMES[kind]
     else:
         rate, unit = row["work"] / st["median_ms"] / 1e6, "GFLOP/s"
@@ -256,6 +262,12 @@ def markdown(res, md_dir):
                       "lscpu_hypervisor_vendor") if env.get(k))
     fc = [st.get("foreign_cores") for r in res.get("ops", []) + res.get("layer", [])
           for st in (r.get("native"), r.get("reference"), r.get("jnp_baseline")) if st and st.get("foreign_cores") is not None]
+    if fc and sorted(fc)[len(fc) // 2] > 0.5:
+        L += [f"**This run was taken under load**: other processes used a median of {sorted(fc)[len(fc) // 2]:.2f} "
+              f"(up to {max(fc):.2f}) of the machine's cores during the measurements (results.json has it per "
+              "row). Absolute times, rates and the roofline itself are low by whatever share the others took, and "
+              "differently for rows measured at different moments; ratios measured in turn (paired, interleaved / "
+              "b2b pair) hold better than fractions of a roofline measured before and after.", ""]
     L += ["## Machine and run", "", "| | |", "|---|---|",
           f"| date | {env.get('date')} |",
           f"| command | `{env.get('command')}` |",
@@ -305,8 +317,9 @@ def markdown(res, md_dir):
           f"kernels, {roof.get('threads')} threads; best of before / after ({_runs(roof.get('fma_peak_runs'))}) |",
           f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
           f"{roof.get('bf16_dot_peak_source', '-')} |", "",
-          "Decode, spec and conv-update rows report state bytes moved per second (read + written) against the "
-          "read-modify-write bandwidth, conv prefill rows activation bytes against the copy bandwidth; chunk and "
+          "Decode and spec rows report state bytes moved per second (read + written) against the "
+          "read-modify-write bandwidth (conv-update rows report theirs without a roofline: their 64-slot pool "
+          "stays in the LLC), conv prefill rows activation bytes against the copy bandwidth; chunk and "
           "prefill rows report the chunked algorithm's GFLOP/s (`run.chunk_flops`: ffi/README.md's count for the "
           "chunk kernel, 8.2 MFLOP per value head and 64-token chunk) against the bf16 dot-product peak. A rate "
           "above its roofline is not printed as a fraction: it means the probe undercounts the machine.", ""]
@@ -356,12 +369,18 @@ def markdown(res, md_dir):
               for r in res["layer"] if r.get("native_interleaved")]
         fj = [x for x in fj if x[1] and x[2]]
         if fj:
-            L += ["Fork/join of the kernels inside the step (`parallel_counters`, per call): interleaved / "
-                  "back to back.", "",
-                  "| case | state | parallel-fors | helper start µs | late helpers | ranges on helpers | "
-                  "join wait µs |", "|---|---|---:|---:|---:|---:|---:|"]
+            L += ["Where the interleaved step's time goes, interleaved / its back-to-back pair (medians per call): "
+                  "CPU time and run-queue wait (runnable, not running) of this process's threads "
+                  "(`/proc/self/task/*/schedstat`), and the fork/join of the kernels inside the step "
+                  "(`parallel_counters`, ffi/src/parallel.h). More wait at the same CPU time is the scheduler, "
+                  "not the kernels (ffi/README.md, Limits).", "",
+                  "| case | state | CPU ms | run-queue wait ms | parallel-fors | helper start µs | late helpers | "
+                  "ranges on helpers | join wait µs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
             for r, a, b in fj:
-                L.append(f"| {r['case']} | {r['state']} | {a['jobs_per_call']:.0f} | {a['helper_start_us']:.0f} / "
+                ia, ib = r["native_interleaved"], r["native_b2b_pair"]
+                L.append(f"| {r['case']} | {r['state']} | {fmt(ia.get('cpu_ms'), '.2f')} / {fmt(ib.get('cpu_ms'), '.2f')} | "
+                         f"{fmt(ia.get('runqueue_wait_ms'), '.2f')} / {fmt(ib.get('runqueue_wait_ms'), '.2f')} | "
+                         f"{a['jobs_per_call']:.0f} | {a['helper_start_us']:.0f} / "
                          f"{b['helper_start_us']:.0f} | {100 * a['late_helper_frac']:.0f}% / "
                          f"{100 * b['late_helper_frac']:.0f}% | {100 * a['helper_range_frac']:.0f}% / "
                          f"{100 * b['helper_range_frac']:.0f}% | {a['join_wait_us']:.0f} / {b['join_wait_us']:.0f} |")

@@ -1,0 +1,96 @@
+"""What a layer step loses after other work (issue #20, item 3): the same step after each of several
+preceding conditions, taken in turn in rounds so that all see the same machine, with per-step wall
+time, CPU time and run-queue wait of this process's threads (/proc/self/task/*/schedstat) and the
+fork/join counters of the kernels (parallel.h):
+
+  idle          after 0.2 s with nothing to do (the round's start)
+  b2b           right after the previous step (back to back)
+  matmul        right after a jitted bf16 matmul block (~50 ms, XLA's own threads busy)
+  matmul+sleep5 the same, then 5 ms asleep
+  sleep50       after 50 ms asleep
+  read64        after numpy reads 64 MiB (the LLC evicted, no XLA work)
+  fma50         after the native FMA probe ran 50 ms on every CPU (hot cores, no XLA, no memory)
+
+    PYTHONPATH=. python benchmarks/interleave.py --case decode_b8 --seconds 60
+
+A condition that costs more CPU time than idle points at the caches or the clock; one that costs the
+same CPU time but more wall time points at waiting (thread wake-up, run queue)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import jax.numpy as jnp  # noqa: E402
+
+import run as R  # noqa: E402
+from gdn_jax import Request, _ffi  # noqa: E402
+
+CONDITIONS = ("idle", "b2b", "matmul", "matmul+sleep5", "sleep50", "read64", "fma50")
+
+
+def make_case(name):
+    if name.startswith("decode_b"):
+        B, sd = int(name[len("decode_b"):]), jnp.float32
+        N = R.pool_slots(R.HV * R.K * R.V * 4, B, True) + B
+        return R.layer_call("decode", sd, [[Request.decode(s * B + i) for i in range(B)] for s in range(N // B)],
+                            B, B, 0, N)
+    if name.startswith("prefill_"):
+        T = int(name[len("prefill_"):])
+        return R.layer_call("prefill", jnp.float32, [[Request.prefill(0, T)]], T, 1, 0, 3)
+    raise SystemExit(f"unknown case {name} (decode_bB, prefill_T)")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", default="decode_b8")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    args = ap.parse_args(argv)
+    conds = args.conditions.split(",")
+    call = make_case(args.case)
+    block, block_ms = R.matmul_block()
+    big = np.ones(64 << 18, np.float32)
+    fma = _ffi._gdn_ffi.fma_peak_gflops
+    cpus = len(os.sched_getaffinity(0))
+    before = {"idle": lambda: time.sleep(0.2), "b2b": lambda: None, "matmul": block,
+              "matmul+sleep5": lambda: (block(), time.sleep(0.005)), "sleep50": lambda: time.sleep(0.05),
+              "read64": lambda: big.sum(), "fma50": lambda: fma(cpus, 0.05)}
+    rec = {c: [] for c in conds}
+    snap0, rounds = R._cpu_snapshot(), 0
+    t_end = time.perf_counter() + args.seconds
+    while time.perf_counter() < t_end:
+        for c in conds:
+            before[c]()
+            R._counters()
+            r0, w0 = R.threads_ns()
+            t0 = time.perf_counter()
+            call()
+            dt = time.perf_counter() - t0
+            r1, w1 = R.threads_ns()
+            rec[c].append((dt * 1e3, (r1 - r0) / 1e6, (w1 - w0) / 1e6, R._counters()))
+        rounds += 1
+    fc = R.foreign_cores(snap0, R._cpu_snapshot())
+    print(f"# {args.case}: {rounds} rounds, matmul block {block_ms:.0f} ms, other processes used {fc} cores "
+          f"meanwhile (a loaded host lengthens every row; compare rows, not runs)")
+    base = np.median([x[0] for x in rec[conds[0]]])
+    print(f"{'condition':14s} {'wall ms':>8s} {'/ ' + conds[0]:>8s} {'cpu ms':>7s} {'rq wait':>8s} "
+          f"{'helper start us':>15s} {'late':>5s} {'join us':>8s}")
+    for c in conds:
+        xs = rec[c]
+        fj = R._fork_join([x[3] for x in xs]) or {}
+        wall = np.median([x[0] for x in xs])
+        print(f"{c:14s} {wall:8.3f} {wall / base:8.2f} {np.median([x[1] for x in xs]):7.2f} "
+              f"{np.median([x[2] for x in xs]):8.2f} {fj.get('helper_start_us', float('nan')):15.0f} "
+              f"{fj.get('late_helper_frac', float('nan')):5.2f} {fj.get('join_wait_us', float('nan')):8.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
