@@ -66,7 +66,7 @@ def main(argv=None):
     rec = {c: [] for c in conds}
     snap0, rounds = R._cpu_snapshot(), 0
     t_end = time.perf_counter() + args.seconds
-    while time.perf_counter() < t_end:
+    while rounds == 0 or time.perf_counter() < t_end:  # one round at least
         for c in conds:
             before[c]()
             R._counters()

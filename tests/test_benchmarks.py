@@ -572,3 +572,24 @@ def test_bandwidth_probe_touches_every_element_as_its_mode_says():
     for kind in ("rmw", "read", "copy"):
         gbs = roofline.bandwidth_gbs(kind, nbytes=4 << 20, reps=3)
         assert 0.1 < gbs < 5000 and math.isfinite(gbs), (kind, gbs)
+
+
+def test_interleave_tool_reports_every_condition(capsys):
+    """benchmarks/interleave.py: one round of each asked condition, a row each with positive wall and
+    CPU time (the tool behind ffi/README.md's item-3 table)."""
+    gdn_jax = pytest.importorskip("gdn_jax")
+    if not gdn_jax.native_available():
+        pytest.skip("native extension not built")
+    sys.path.insert(0, BENCH)
+    try:
+        il = _load("interleave")
+    finally:
+        sys.path.remove(BENCH)
+    il.R.MATMUL_BLOCK_MS = 5.0  # a small block: this is a smoke test
+    il.main(["--case", "decode_b1", "--seconds", "0", "--conditions", "idle,b2b,matmul,fma50"])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] and
+            ln.split()[0] in ("idle", "b2b", "matmul", "fma50")]
+    assert [r[0] for r in rows] == ["idle", "b2b", "matmul", "fma50"]
+    for r in rows:
+        wall, cpu = float(r[1]), float(r[3])
+        assert wall > 0 and (cpu > 0 or not os.path.exists("/proc/self/task")), r
