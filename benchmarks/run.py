@@ -358,7 +358,6 @@ def quietest(measure, attempts):
 def run_ops(quick, impls, target):
     rows = []
     all_cases = cases(quick)
-    t_start = time.perf_counter()
     for n, c in enumerate(all_cases, 1):
         row = dict(op=c["op"], case=c["case"], state=c["state"], x=c["x"], unit=c["unit"],
                    vllm_case=c["vllm"][0] if c["vllm"] else None)
@@ -382,7 +381,8 @@ def run_ops(quick, impls, target):
         rows.append(row)
         cols = "  ".join(f"{i} {row[i]['median_ms']:9.3f} ms" for i in impls if i in row)
         sp = f"  x{row['speedup_vs_reference']:.1f}" if "speedup_vs_reference" in row else ""
-        print(f"[ops {n}/{len(all_cases)} {time.perf_counter() - t_start:5.0f} s] {c['op']:12s} {c['case']:14s} {cols}{sp}", flush=True)
+        print(f"[ops {n}/{len(all_cases)} {time.perf_counter() - _RUN_T0[0]:5.0f} s] {c['op']:12s} {c['case']:14s} "
+              f"{cols}{sp}", flush=True)
     return rows
 
 
@@ -646,7 +646,6 @@ def run_layer(quick, target, baseline_path, no_wait):
     rows = []
     all_cases = layer_cases(quick)
     empty = empty_call_ms(target)
-    t_start = time.perf_counter()
     for n, case in enumerate(all_cases, 1):
         call = case["setup"]()
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
@@ -686,7 +685,7 @@ def run_layer(quick, target, baseline_path, no_wait):
         rows.append(row)
         extra = (f"  jnp {row['jnp_baseline']['median_ms']:9.3f} ms  x{row['speedup_vs_jnp_baseline']:.2f}"
                  if "jnp_baseline" in row else "")
-        print(f"[layer {n}/{len(all_cases)} {time.perf_counter() - t_start:5.0f} s] {row['case']:14s} {row['state']:5s} "
+        print(f"[layer {n}/{len(all_cases)} {time.perf_counter() - _RUN_T0[0]:5.0f} s] {row['case']:14s} {row['state']:5s} "
               f"gdn_jax {ours['median_ms']:9.3f} ms  interleaved {inter['median_ms']:9.3f} ms "
               f"(x{row['interleaved_over_b2b']:.2f} its back-to-back pair){extra}", flush=True)
     return rows
