@@ -18,6 +18,8 @@ dims, D = 2*H*K + HV*V conv channels, W conv width, N cache slots, L conv state 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import warnings
 
@@ -78,6 +80,51 @@ def report_status(op: str, status, carrier):
     return carrier
 
 
+# Keyword arguments that select a program rather than feed it data: static in the cached jit.
+_STATIC_ARGS = ("impl", "activation", "conv_state_layout", "scale", "use_qk_l2norm", "l2norm_eps")
+
+
+def _is_traced(tree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _static_value(v):
+    """A 0-d array given for a static argument (``scale=jnp.float32(0.1)``) keys by its value."""
+    return v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v
+
+
+def _compiled_once(fn):
+    """Run eager calls of op ``fn`` through one cached ``jax.jit`` of it.
+
+    Called op by op, the reference path's ``lax.cond`` closes over fresh Python functions on
+    every call, so JAX compiled (and mapped into memory) a new program each time: ~45 memory
+    mappings a call until the process ran out of them. The jitted body compiles once per
+    static configuration (``_STATIC_ARGS``; shapes and dtypes key jit's own cache). Traced
+    calls (inside the caller's jit, vmap, ...) run ``fn`` inline, as before. ``impl="auto"``
+    is resolved first, so the cache keys on the implementation that runs.
+    """
+    params = inspect.signature(fn).parameters
+    static = tuple(n for n in _STATIC_ARGS if n in params)
+    jitted = jax.jit(fn, static_argnames=static)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        kwargs["impl"] = resolve_impl(kwargs.get("impl", "auto"))
+        if _is_traced((args, kwargs)):
+            return fn(*args, **kwargs)
+        for n in static:
+            if n in kwargs:
+                kwargs[n] = _static_value(kwargs[n])
+        try:
+            hash(tuple(kwargs.get(n) for n in static))
+        except TypeError:  # not a valid static value: fn's own checks raise, naming it
+            return fn(*args, **kwargs)
+        return jitted(*args, **kwargs)
+
+    call.jitted = jitted
+    return call
+
+
 def _guarded(status, run, skip):
     """Reference path: run() only when status is OK, else skip() (nothing written)."""
     return jax.lax.cond(status[0] == 0, run, skip)
@@ -86,6 +133,7 @@ def _guarded(status, run, skip):
 # --- gating ----------------------------------------------------------------------------------
 
 
+@_compiled_once
 def fused_gdn_gating(a, b, *, A_log, dt_bias, impl: str = "auto"):
     """Gates of the gated delta rule.
 
@@ -130,6 +178,7 @@ def _conv_common(x, weight, bias, conv_state, activation, conv_state_layout):
     return T, D, W, N, L, silu, layout
 
 
+@_compiled_once
 def causal_conv1d_fwd_with_status(x, *, weight, bias, conv_state, query_start_loc, state_indices,
                                   has_initial_state, activation="silu", conv_state_layout="SD", impl="auto"):
     """:func:`causal_conv1d_fwd` returning ``(y, conv_state, status int32[4])``."""
@@ -179,6 +228,7 @@ def causal_conv1d_fwd(x, *, weight, bias, conv_state, query_start_loc, state_ind
     return y, cs
 
 
+@_compiled_once
 def causal_conv1d_update_with_status(x, *, weight, bias, conv_state, state_indices, activation="silu",
                                      num_accepted_tokens=None, query_start_loc=None, conv_state_layout="SD",
                                      impl="auto"):
@@ -267,6 +317,7 @@ def _native_qkv(q, k, v, mixed_qkv):
     return mixed_qkv, mixed_qkv, mixed_qkv
 
 
+@_compiled_once
 def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_start_loc, state_indices,
                                        has_initial_state, scale=None, use_qk_l2norm=True, l2norm_eps=1e-6,
                                        impl="auto", _mixed_qkv=None):
@@ -336,6 +387,7 @@ def _recurrent_common(q, k, v, a, b, A_log, dt_bias, ssm_state):
     return T, H, K, HV, V, N
 
 
+@_compiled_once
 def fused_sigmoid_gating_delta_rule_update_with_status(q, k, v, *, a, b, A_log, dt_bias, ssm_state, state_indices,
                                                        scale=None, use_qk_l2norm=True, l2norm_eps=1e-6,
                                                        impl="auto"):
@@ -379,6 +431,7 @@ def fused_sigmoid_gating_delta_rule_update(q, k, v, *, a, b, A_log, dt_bias, ssm
     return o, st
 
 
+@_compiled_once
 def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_log, dt_bias, ssm_state,
                                                             query_start_loc, spec_state_indices,
                                                             num_accepted_tokens, scale=None, use_qk_l2norm=True,
@@ -440,6 +493,7 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
 # --- slot copies (index-scatter rollback) ---------------------------------------------------
 
 
+@_compiled_once
 def copy_slots_with_status(pool, *, src, dst, impl="auto"):
     """:func:`copy_slots` returning ``(pool, status int32[4])``."""
     if len(getattr(pool, "shape", ())) < 1:

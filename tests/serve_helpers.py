@@ -209,3 +209,48 @@ def budget(cfg, what: str) -> float:
 def rel_rmse(out, ref) -> float:
     return F.rel_rmse(np.asarray(out, np.float64), np.asarray(ref, np.float64))
 
+
+
+# --- process health: compilations, memory mappings, resident memory ----------------------------
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _unregister_duration_listener(listener):
+    # Public from jax 0.8.1 on; the older releases of the supported range (0.5.3-0.8.0) have only
+    # the private form.
+    unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+    if unregister is None:
+        from jax._src import monitoring
+        unregister = monitoring._unregister_event_duration_listener_by_callback
+    unregister(listener)
+
+
+@contextlib.contextmanager
+def compile_counter():
+    """``with compile_counter() as names:`` collects the name of every function XLA compiles
+    inside the block (jax.monitoring's backend-compile event)."""
+    names = []
+
+    def listener(event, duration, **kw):
+        if event == BACKEND_COMPILE_EVENT:
+            names.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        _unregister_duration_listener(listener)
+
+
+def mapping_count() -> int:
+    """Lines of /proc/self/maps: the process's memory mappings (the kernel caps them at
+    vm.max_map_count; each compiled XLA:CPU program adds some)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
