@@ -254,3 +254,66 @@ def rss_bytes() -> int:
     """Resident set size of this process (/proc/self/statm)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# --- the token-scan oracle of one step ----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _token_scan(scale, use_qk_l2norm, eps):
+    from gdn_jax.reference import gdn_token_scan
+
+    return jax.jit(functools.partial(gdn_token_scan, scale=scale, use_qk_l2norm=use_qk_l2norm, l2norm_eps=eps))
+
+
+def token_scan_step(cfg, params, conv, ssm, rows, x, b, a):
+    """One serving step evaluated row by row: the conv in float64 (tests/f64_math.py), the
+    recurrence by ``gdn_jax.reference.gdn_token_scan`` (one token at a time, the pool as carry).
+
+    rows: live rows as ``(kind, lo, hi, slots, acc, has_initial_state)`` with kind "prefill",
+    "decode" or "spec", tokens [lo, hi), ``slots`` the row's columns (spec: slot of token t in
+    column t, start from column acc - 1). conv, ssm: the pools before the step (host arrays).
+    Returns (out f64 [T, HV, V], conv f64 in cfg's layout, ssm in the pool dtype); tokens no
+    row owns give zero output.
+    """
+    T = x.shape[0]
+    w = to_np64(params.conv_weight)
+    bias = None if params.conv_bias is None else to_np64(params.conv_bias)
+    silu, lay = cfg.activation == "silu", cfg.conv_state_layout
+    x64, conv64 = to_np64(x), to_np64(conv)
+    conv_new = conv64.copy()
+    y = np.zeros((T, cfg.D))
+    read = np.full((T,), -1, np.int32)
+    write = np.full((T,), -1, np.int32)
+    reset = np.zeros((T,), bool)
+    for kind, lo, hi, slots, acc, init in rows:
+        n, s0 = hi - lo, slots[0]
+        qsl = np.array([0, n])
+        if kind == "prefill":
+            yy, cs = F.conv_fwd_f64(x64[lo:hi], w, bias, conv64, qsl, [s0], [init], silu, layout=lay)
+        else:
+            yy, cs = F.conv_update_f64(x64[lo:hi], w, bias, conv64, [s0], silu, num_accepted_tokens=[acc],
+                                       query_start_loc=qsl, layout=lay)
+        conv_new[s0], y[lo:hi] = cs[s0], yy
+        for t in range(n):
+            if kind == "spec":
+                read[lo + t], write[lo + t] = (slots[acc - 1] if t == 0 else slots[t - 1]), slots[t]
+            else:
+                read[lo + t] = write[lo + t] = s0
+        reset[lo] = kind == "prefill" and n > 0 and not init
+    y = np.asarray(jnp.asarray(y, cfg.act_dtype))         # the step stores conv outputs in the act dtype
+    hk = cfg.H * cfg.K
+    q = y[:, :hk].reshape(T, cfg.H, cfg.K)
+    k = y[:, hk:2 * hk].reshape(T, cfg.H, cfg.K)
+    v = y[:, 2 * hk:].reshape(T, cfg.HV, cfg.V)
+    g, beta = F.gating_f64(to_np64(a), to_np64(b), to_np64(params.A_log), to_np64(params.dt_bias))
+    scan = _token_scan(cfg.resolved_scale, cfg.use_qk_l2norm, cfg.l2norm_eps)
+    o, pool = scan(q, k, v, g=g.astype(np.float32), beta=beta.astype(np.float32), ssm_state=jnp.asarray(ssm),
+                   read_slot=read, write_slot=write, reset=reset)
+    return to_np64(o), conv_new, np.asarray(pool)
+
+
+# One small layer and bucket that the reliability tests (test_eager, test_fuzz, test_threads,
+# test_soak) share, so that one pytest process compiles each of its steps once.
+SMALL_CFG = gdn_jax.GDNConfig(1, 2, 16, 16, num_spec=2, act_dtype=jnp.float32)
+SMALL_T, SMALL_S, SMALL_N = 16, 4, 10      # token bucket, row bucket, pool slots

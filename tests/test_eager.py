@@ -16,8 +16,8 @@ import pytest
 import gdn_jax
 from gdn_jax import ops
 from gdn_jax.batch import Request, build_batch
-from gdn_jax.config import GDNCache, GDNConfig, GDNParams
-from serve_helpers import compile_counter, mapping_count, random_inputs
+from gdn_jax.config import GDNCache, GDNParams
+from serve_helpers import SMALL_CFG, SMALL_N, SMALL_S, SMALL_T, compile_counter, mapping_count, random_inputs
 
 IMPLS = ["reference", pytest.param("native", marks=pytest.mark.skipif(not gdn_jax.native_available(),
                                                                           reason="native extension not built"))]
@@ -87,17 +87,19 @@ def _op_calls(impl):
 
 def _step_calls(impl):
     """The serving steps (functional forms and GDNAttention methods) and commit_accepted."""
-    cfg = GDNConfig(H, HV, K, V, num_spec=2, act_dtype=jnp.float32)
+    cfg = SMALL_CFG
     params = GDNParams.random(cfg, jax.random.PRNGKey(0))
     reqs = [Request.prefill(0, 3), Request.decode(1), Request.spec((2, 3, 4), 2, num_accepted=2)]
-    hb = build_batch(reqs, num_slots=N, num_spec=2, token_bucket=8, row_bucket=4)
-    bad = build_batch(reqs, num_slots=N, num_spec=2, token_bucket=8, row_bucket=4)
+    build = lambda: build_batch(reqs, num_slots=SMALL_N, num_spec=2, token_bucket=SMALL_T,  # noqa: E731
+                                row_bucket=SMALL_S)
+    hb, bad = build(), build()
     bad.metadata.state_indices[1, 0] = bad.metadata.state_indices[0, 0]
-    x, b, a = (jnp.asarray(v) for v in random_inputs(cfg, 8, np.random.default_rng(1)))
-    state = dict(cache=GDNCache.create(cfg, N))
-    sidx = np.array([[2, 3, 4]] + [[-1] * 3] * 3, np.int32)
-    bad_sidx = np.array([[2, 3, 4], [2, -1, -1]] + [[-1] * 3] * 2, np.int32)
-    acc = np.array([2, 1, 1, 1], np.int32)
+    x, b, a = (jnp.asarray(v) for v in random_inputs(cfg, SMALL_T, np.random.default_rng(1)))
+    state = dict(cache=GDNCache.create(cfg, SMALL_N))
+    pad = [[-1] * 3] * (SMALL_S - 2)
+    sidx = np.array([[2, 3, 4], [-1] * 3] + pad, np.int32)
+    bad_sidx = np.array([[2, 3, 4], [2, -1, -1]] + pad, np.int32)
+    acc = np.array([2] + [1] * (SMALL_S - 1), np.int32)
 
     def run(fn):
         def call(is_bad):
