@@ -16,7 +16,7 @@ JAX_REQ ?= "jax>=0.5.3,<0.12" "jaxlib>=0.5.3,<0.12"
 # serves; a plain "torch" would pull a CUDA build of several GB).
 TEST_REQ ?= "safetensors>=0.4" "hypothesis>=6.100" "transformers>=5.2,<6" "torch==2.13.0"
 
-.PHONY: demo test test-core build venv bench bench-quick clean
+.PHONY: demo test test-core test-sanitize build venv bench bench-quick clean
 
 venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: pyproject.toml
@@ -37,13 +37,19 @@ build: venv
 demo: build
 	PYTHONPATH=. $(PY) examples/serving_loop.py
 
-test: build
-	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
+test: build test-core
 	PYTHONPATH=. $(PY) -m pytest -q tests
 
-# The C++ kernel-core tests alone (native + aarch64 under qemu).
+# The C++ kernel-core tests alone (native + aarch64 under qemu), plain and under
+# AddressSanitizer + UndefinedBehaviorSanitizer.
 test-core: venv
 	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
+	CMAKE=$(abspath $(VENV)/bin/cmake) PY=$(PY) GDN_SAN_CORE_ONLY=1 tests/cpp/run_sanitize.sh
+
+# The sanitized core tests, then the extension built with ASan+UBSan under a pytest subset
+# (every op on every ISA here, the bad-batch tests, the fuzz): docs/reliability.md.
+test-sanitize: venv
+	CMAKE=$(abspath $(VENV)/bin/cmake) PY=$(PY) tests/cpp/run_sanitize.sh
 
 # Everything, written to benchmarks/RESULTS.md + benchmarks/plots/ (PNG) + benchmarks/out/results.json. With
 # vLLM beside it: make bench VLLM_PYTHON=/path/to/vllm-venv/bin/python (or GDN_VLLM_PYTHON=...).

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# AddressSanitizer + UndefinedBehaviorSanitizer (GDN_SANITIZE=ON, -O1, UB aborts):
+#   1. the C++ kernel-core tests, natively (every ISA this CPU has);
+#   2. the same cross-compiled for aarch64 under qemu-aarch64 (skipped with GDN_SKIP_ARM=1);
+#   3. the extension, sanitized, under a representative pytest subset (every op on every ISA
+#      here, the bad-batch tests, the fuzz); skipped with GDN_SAN_CORE_ONLY=1 (what `make test` runs).
+# The sanitized extension is never copied into gdn_jax/: the pytest run imports a shadow
+# package (build/san/pkg/gdn_jax: links to the Python files + the sanitized module).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CMAKE=${CMAKE:-cmake}
+PY=${PY:-.venv/bin/python}
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1}
+
+# One build directory: the core library is compiled once for the core tests and the extension.
+WITH_PY=ON; [ "${GDN_SAN_CORE_ONLY:-0}" = 1 ] && WITH_PY=OFF
+"$CMAKE" -S . -B build/san -G Ninja -DCMAKE_BUILD_TYPE=Release -DGDN_SANITIZE=ON -DGDN_BUILD_CORE_TESTS=ON \
+    -DGDN_BUILD_PYTHON=$WITH_PY -DPython_EXECUTABLE="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" >/dev/null
+"$CMAKE" --build build/san -j 2 --target gdn_core_tests >/dev/null
+echo "== core tests, ASan+UBSan, native ($(uname -m))"
+./build/san/gdn_core_tests | tail -n 1
+
+if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then
+  echo "== aarch64: skipped (GDN_SKIP_ARM=1)"
+else
+  if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null \
+     || [ ! -e /usr/aarch64-linux-gnu/lib/libasan.so.8 ]; then
+    echo "== installing g++-aarch64-linux-gnu, its ASan/UBSan runtimes and qemu-user"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        g++-aarch64-linux-gnu libasan8-arm64-cross libubsan1-arm64-cross qemu-user >/dev/null
+  fi
+  "$CMAKE" -S . -B build/core-aarch64-san -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+      -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON -DGDN_SANITIZE=ON >/dev/null
+  "$CMAKE" --build build/core-aarch64-san -j 2 >/dev/null
+  for cpu in max neoverse-n1; do
+    echo "== core tests, ASan+UBSan, aarch64 under qemu-aarch64 -cpu $cpu"
+    # ASan's shadow needs the 47-bit address space layout it expects; qemu-user gives it one.
+    out=$(qemu-aarch64 -cpu "$cpu" -L /usr/aarch64-linux-gnu ./build/core-aarch64-san/gdn_core_tests)
+    echo "$out" | grep -E "FAIL" || true
+    echo "$out" | tail -n 1
+    echo "$out" | tail -n 1 | grep -q ", 0 failed" || { echo "aarch64 ($cpu) sanitized core tests failed"; exit 1; }
+  done
+fi
+
+if [ "${GDN_SAN_CORE_ONLY:-0}" = 1 ]; then exit 0; fi
+
+"$CMAKE" --build build/san -j 2 >/dev/null
+rm -rf build/san/pkg && mkdir -p build/san/pkg/gdn_jax
+for f in gdn_jax/*.py; do ln -s "$PWD/$f" build/san/pkg/gdn_jax/; done
+cp build/san/_gdn_ffi*.so build/san/pkg/gdn_jax/
+# libasan must be the first library of the process: Python itself is not instrumented, so it
+# is preloaded. Leak checking is off for the Python process: the interpreter and jaxlib keep
+# allocations alive until exit by design (thousands of reports, none ours); the core tests
+# above run with it on.
+LIBASAN=$("${CXX:-c++}" -print-file-name=libasan.so)
+echo "== extension, ASan+UBSan: the ops on every ISA, bad batches, fuzz (LD_PRELOAD=$LIBASAN)"
+cd build/san/pkg
+LD_PRELOAD="$LIBASAN" ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0" GDN_JAX_SAN=1 \
+  "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_ops_gating.py" "$OLDPWD/tests/test_ops_conv.py" \
+  "$OLDPWD/tests/test_ops_recurrent.py" "$OLDPWD/tests/test_ops_chunk.py" "$OLDPWD/tests/test_ops_slots.py" \
+  "$OLDPWD/tests/test_checks.py" "$OLDPWD/tests/test_fuzz.py" "$OLDPWD/tests/test_paths.py" \
+  -k "not reference and (test_ops or bad or refused or invalid or fuzz or commit)" ${GDN_SAN_PYTEST_ARGS:-}
