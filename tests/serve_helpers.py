@@ -301,7 +301,8 @@ def token_scan_step(cfg, params, conv, ssm, rows, x, b, a):
             else:
                 read[lo + t] = write[lo + t] = s0
         reset[lo] = kind == "prefill" and n > 0 and not init
-    y = np.asarray(jnp.asarray(y, cfg.act_dtype))         # the step stores conv outputs in the act dtype
+    # The step stores conv outputs in the act dtype (rounded here in NumPy: no device program).
+    y = F.bf16_round(y, np.float32) if cfg.act_dtype == np.dtype(jnp.bfloat16) else y.astype(np.float32)
     hk = cfg.H * cfg.K
     q = y[:, :hk].reshape(T, cfg.H, cfg.K)
     k = y[:, hk:2 * hk].reshape(T, cfg.H, cfg.K)
