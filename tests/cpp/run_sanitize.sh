@@ -55,7 +55,9 @@ cp build/san/_gdn_ffi*.so build/san/pkg/gdn_jax/
 # is preloaded. Leak checking is off for the Python process: the interpreter and jaxlib keep
 # allocations alive until exit by design (thousands of reports, none ours); the core tests
 # above run with it on.
-LIBASAN=$("${CXX:-c++}" -print-file-name=libasan.so)
+# libstdc++ is preloaded too: loaded later (by jaxlib), ASan's __cxa_throw interceptor finds no
+# real function and aborts at jaxlib's first C++ throw ("real___cxa_throw != 0").
+LIBASAN="$("${CXX:-c++}" -print-file-name=libasan.so) $("${CXX:-c++}" -print-file-name=libstdc++.so)"
 echo "== extension, ASan+UBSan: the ops on every ISA, bad batches, fuzz (LD_PRELOAD=$LIBASAN)"
 cd build/san/pkg
 LD_PRELOAD="$LIBASAN" ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0" GDN_JAX_SAN=1 \
