@@ -147,3 +147,12 @@ def step(x, a, b, A_log, dt_bias, weight, bias, conv_state, ssm_state, query_sta
         row_kind, has_initial_state, num_accepted, status, silu=np.int32(silu), layout=np.int32(layout),
         scale=np.float32(scale), eps=np.float32(eps), l2norm=np.int32(l2norm), allowed_kinds=np.int32(allowed_kinds))
     return o, conv_state, ssm_state, st
+
+
+def linear(x, w, out_dtype=None):
+    """x [T, in] @ w [out, in].T -> [T, out] in ``out_dtype`` (default x's dtype): f32
+    accumulation, one rounding; x and w each f32 or bf16 (w in Hugging Face's layout)."""
+    require_native()
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype if out_dtype is None else out_dtype)
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "linear", out, vmap_method="sequential")
+    return call(x, w)

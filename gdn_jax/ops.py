@@ -154,6 +154,33 @@ def fused_gdn_gating(a, b, *, A_log, dt_bias, impl: str = "auto"):
     return _reference().fused_gdn_gating(a, b, A_log=A_log, dt_bias=dt_bias)
 
 
+# --- projection ------------------------------------------------------------------------------
+
+
+def linear(x, w, *, out_dtype=None, impl: str = "auto"):
+    """The layer's projections: ``y = x @ w.T`` with f32 accumulation and one rounding.
+
+    Args:
+      x: [T, in] f32 or bf16.
+      w: [out, in] f32 or bf16 (Hugging Face's ``nn.Linear`` layout).
+      out_dtype: f32 or bf16; default x's dtype.
+    Returns:
+      y: [T, out] ``out_dtype``.
+    """
+    T, n_in = C.check_rank("x", x, 2, "[T, in]")
+    C.check_dtype("x", x, C.ACT_DTYPES)
+    n_out = C.check_rank("w", w, 2, "[out, in]")[0]
+    C.check_shape("w", w, (n_out, n_in), f"[out, in] with in={n_in} (the last dim of x)")
+    C.check_dtype("w", w, C.ACT_DTYPES)
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if out_dtype not in C.ACT_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if resolve_impl(impl) == "native":
+        return _native.linear(x, w, out_dtype)
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
 # --- causal conv -----------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ XLA_FFI_Error* GdnReport(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBatchStatus(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnStep(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBandwidthProbe(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnLinear(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -69,6 +70,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["batch_status"] = capsule(gdn::GdnBatchStatus);
     d["step"] = capsule(gdn::GdnStep);
     d["bandwidth_probe"] = capsule(gdn::GdnBandwidthProbe);  // benchmarks only
+    d["linear"] = capsule(gdn::GdnLinear);
     return d;
   });
   // The XLA FFI API version of the headers this module was compiled with: a jaxlib whose own

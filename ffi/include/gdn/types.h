@@ -132,6 +132,16 @@ inline int64_t qk_row_stride(const Args& p) { return p.qk_ld ? p.qk_ld : p.H * p
 template <class Args>
 inline int64_t v_row_stride(const Args& p) { return p.v_ld ? p.v_ld : p.HV * p.V; }
 
+// Dense projection y [T, out] = x [T, in] @ w [out, in]^T, f32 accumulation, one rounding
+// to y's dtype. Each of x, w, y is f32 or bf16; all dense, row-major.
+struct LinearArgs {
+  DType x_dtype, w_dtype, y_dtype;
+  const void* x;  // [T, in]
+  const void* w;  // [out, in]
+  void* y;        // [T, out]
+  int64_t T, in, out;
+};
+
 struct KernelTable {
   const char* isa = nullptr;
   void (*gating)(const GatingArgs&, const Parallel&) = nullptr;
@@ -139,6 +149,7 @@ struct KernelTable {
   void (*conv_update)(const ConvArgs&, const Parallel&) = nullptr;
   void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
   void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
+  void (*linear)(const LinearArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
   int64_t fma_probe_flops = 0;                   // per iteration
   // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.

@@ -1,0 +1,106 @@
+// Dense projection y[t, o] = sum_i x[t, i] * w[o, i] (w in Hugging Face's [out, in] layout),
+// f32 accumulation, one rounding to y's dtype. Included inside the ISA namespace.
+//
+// Both operands are contiguous along `in`, so a register tile of MT x rows by NT w rows keeps
+// MT * NT vector partial sums (lane j sums the products i = j mod kLanes, in order of i) and
+// reduces each with vsum at the end. Every output element is summed in that one order whatever
+// the tile, block or thread that computes it, so results do not depend on the thread count.
+// Decode (small T): each w row is streamed from memory once and dotted with every x row of the
+// block; prefill: an o block of w stays in L2 while the t rows pass over it.
+
+// Vector registers the tile may use (x rows, partial sums, one w temporary).
+constexpr int kLinearRegs = kVfRegs == 1 ? 32 :
+#if defined(__aarch64__)
+                                           32 / kVfRegs;
+#else
+                                           16 / kVfRegs;
+#endif
+// (MT, NT) for a block of many x rows and for one row: MT * (NT + 1) + 1 <= kLinearRegs.
+constexpr int kLinearMT = kLinearRegs >= 21 ? 4 : kLinearRegs >= 7 ? 2 : 1;
+constexpr int kLinearNT = kLinearRegs >= 21 ? 4 : 2;
+constexpr int kLinearNT1 = kLinearRegs >= 21 ? 8 : kLinearRegs >= 6 ? 4 : 2;
+
+template <int MT, int NT, class TX, class TW>
+inline void linear_tile(const TX* x, const TW* w, int64_t in, float out[MT][NT]) {
+  VF acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= in; i += kLanes) {
+    VF xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = vload(x + m * in + i);
+    for (int n = 0; n < NT; ++n) {
+      const VF wv = vload(w + n * in + i);
+      for (int m = 0; m < MT; ++m) acc[m][n] = vfma(xv[m], wv, acc[m][n]);
+    }
+  }
+  if (i < in) {  // zero-padded tail: adds 0 * 0 to the lanes past `in`
+    const int r = int(in - i);
+    VF xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = vload_n(x + m * in + i, r);
+    for (int n = 0; n < NT; ++n) {
+      const VF wv = vload_n(w + n * in + i, r);
+      for (int m = 0; m < MT; ++m) acc[m][n] = vfma(xv[m], wv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) out[m][n] = vsum(acc[m][n]);
+}
+
+// Rows [t0, t0 + MT) x [o0, o1) in tiles of NT w rows (then single rows).
+template <int MT, int NT, class TX, class TW, class TY>
+inline void linear_rows(const TX* x, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t o0,
+                        int64_t o1) {
+  float r[MT][NT];
+  int64_t o = o0;
+  for (; o + NT <= o1; o += NT) {
+    linear_tile<MT, NT>(x + t0 * in, w + o * in, in, r);
+    for (int m = 0; m < MT; ++m)
+      for (int n = 0; n < NT; ++n) store1(y + (t0 + m) * out + o + n, r[m][n]);
+  }
+  for (; o < o1; ++o) {
+    float r1[MT][1];
+    linear_tile<MT, 1>(x + t0 * in, w + o * in, in, r1);
+    for (int m = 0; m < MT; ++m) store1(y + (t0 + m) * out + o, r1[m][0]);
+  }
+}
+
+template <class TX, class TW, class TY>
+void linear_impl(const LinearArgs& p, const Parallel& par) {
+  const TX* x = static_cast<const TX*>(p.x);
+  const TW* w = static_cast<const TW*>(p.w);
+  TY* y = static_cast<TY*>(p.y);
+  const int64_t T = p.T, in = p.in, out = p.out;
+  if (T == 0 || out == 0) return;
+  // o blocks of ~128 KiB of w (a few per core's L2), t blocks of 64 rows.
+  const int64_t row_bytes = in * int64_t(sizeof(TW));
+  int64_t ob = (int64_t(128) << 10) / (row_bytes > 0 ? row_bytes : 1);
+  ob = ob < 16 ? 16 : ob > 512 ? 512 : ob;
+  ob = (ob / 8) * 8;
+  const int64_t tb = 64;
+  const int64_t n_ob = (out + ob - 1) / ob, n_tb = (T + tb - 1) / tb;
+  par(n_ob * n_tb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o0 = (b / n_tb) * ob, o1 = o0 + ob < out ? o0 + ob : out;
+      const int64_t t0 = (b % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
+      int64_t t = t0;
+      for (; t + kLinearMT <= t1; t += kLinearMT) linear_rows<kLinearMT, kLinearNT>(x, w, y, in, out, t, o0, o1);
+      for (; t < t1; ++t) linear_rows<1, kLinearNT1>(x, w, y, in, out, t, o0, o1);
+    }
+  });
+}
+
+template <class TX, class TW>
+inline void linear_y(const LinearArgs& p, const Parallel& par) {
+  if (p.y_dtype == DType::bf16) linear_impl<TX, TW, bf16>(p, par);
+  else linear_impl<TX, TW, float>(p, par);
+}
+template <class TX>
+inline void linear_w(const LinearArgs& p, const Parallel& par) {
+  if (p.w_dtype == DType::bf16) linear_y<TX, bf16>(p, par);
+  else linear_y<TX, float>(p, par);
+}
+inline void linear(const LinearArgs& p, const Parallel& par) {
+  if (p.x_dtype == DType::bf16) linear_w<bf16>(p, par);
+  else linear_w<float>(p, par);
+}

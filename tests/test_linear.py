@@ -1,0 +1,84 @@
+"""gdn_jax.ops.linear (the layer's projections): native (every ISA here) against float64."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_jax
+from f64_math import bf16_round, rel_rmse
+from gdn_jax.ops import linear
+
+ISAS = gdn_jax.available_isas()
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def _bf16_steps(got, ref):
+    """Signed distance in bf16 steps of each output from the correctly rounded ref (same sign)."""
+    a = np.asarray(got, np.float32).view(np.int32) >> 16
+    b = bf16_round(ref, np.float32).view(np.int32) >> 16
+    return np.abs(a.astype(np.int64) - b.astype(np.int64))
+
+
+def _check(y, ref, out_dtype):
+    assert y.dtype == out_dtype and y.shape == ref.shape
+    got = np.asarray(y, np.float64)
+    if out_dtype == jnp.float32:
+        assert rel_rmse(got, ref) <= 1e-6
+    else:
+        # One rounding of the f32 sum: within one bf16 step of the exact value (f32 summation
+        # error can only matter where the exact value is tiny against the largest output).
+        big = np.abs(ref) >= 1e-4 * np.abs(ref).max()
+        assert np.all(_bf16_steps(got, ref)[big] <= 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("T,n_in,n_out", [(1, 17, 9), (3, 100, 33), (67, 257, 130)])
+def test_native_matches_f64(isa, x_dtype, w_dtype, out_dtype, T, n_in, n_out):
+    rng = np.random.default_rng(T * 1000 + n_in)
+    # bf16-exact values: the same numbers in either dtype, so the f64 product is exact.
+    x = bf16_round(rng.normal(size=(T, n_in)))
+    w = bf16_round(rng.normal(size=(n_out, n_in)) * 0.05)
+    ref = x @ w.T
+    with gdn_jax.use_isa(isa):
+        fn = jax.jit(lambda x_, w_: linear(x_, w_, out_dtype=out_dtype, impl="native"))
+        y = fn(jnp.asarray(x, x_dtype), jnp.asarray(w, w_dtype))
+    _check(y, ref, jnp.dtype(out_dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_matches_f64(dtype):
+    rng = np.random.default_rng(5)
+    x, w = bf16_round(rng.normal(size=(5, 300))), bf16_round(rng.normal(size=(40, 300)))
+    y = linear(jnp.asarray(x, dtype), jnp.asarray(w, dtype), impl="reference")
+    _check(y, x @ w.T, jnp.dtype(dtype))
+
+
+def test_default_out_dtype_and_vmap():
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(bf16_round(rng.normal(size=(3, 4, 40))), jnp.bfloat16)
+    w = jnp.asarray(bf16_round(rng.normal(size=(24, 40))), jnp.bfloat16)
+    y = jax.vmap(lambda x_: linear(x_, w, impl="native"))(x)
+    assert y.dtype == jnp.bfloat16 and y.shape == (3, 4, 24)
+    ref = np.einsum("bti,oi->bto", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert np.all(_bf16_steps(y, ref) <= 1)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_static_errors_name_the_argument(impl):
+    x = jnp.zeros((2, 8), jnp.float32)
+    w = jnp.zeros((4, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="x must be"):
+        linear(x[0], w, impl=impl)
+    with pytest.raises(ValueError, match="w must be"):
+        linear(x, w[:, :7], impl=impl)
+    with pytest.raises(ValueError, match="w must be"):
+        linear(x, w[0], impl=impl)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        linear(x.astype(jnp.float16), w, impl=impl)
+    with pytest.raises(TypeError, match="w must have dtype"):
+        linear(x, w.astype(jnp.int32), impl=impl)
+    with pytest.raises(TypeError, match="out_dtype"):
+        linear(x, w, out_dtype=jnp.float16, impl=impl)
