@@ -33,6 +33,7 @@ import numpy as np
 from . import _checks
 from .batch import HostBatch
 from .config import GDNCache, GDNConfig, GDNParams, _check_array
+from .ops import linear
 from .paths import STEP_KINDS, GDNAttention, _step, check_status
 
 __all__ = ["GDNLayerConfig", "GDNLayerParams", "GatedDeltaNetLayer", "LAYER_STEPS", "MODEL_FAMILIES",
@@ -180,18 +181,14 @@ class GDNLayerParams:
         return self
 
 
-def _linear(x, w):
-    """``x [T, in] @ w[out, in].T`` with f32 accumulation, one rounding to x's dtype."""
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+def in_projection(config: GDNLayerConfig, params: GDNLayerParams, hidden, impl: str = "reference"):
+    """hidden [T, hidden] -> mixed_qkv [T, D], z [T, HV, V], b [T, HV], a [T, HV] (act dtype).
 
-
-def in_projection(config: GDNLayerConfig, params: GDNLayerParams, hidden):
-    """hidden [T, hidden] -> mixed_qkv [T, D], z [T, HV, V], b [T, HV], a [T, HV] (act dtype)."""
+    ``impl`` of the projections (:func:`gdn_jax.ops.linear`); the layer passes its own."""
     T = hidden.shape[0]
-    z = _linear(hidden, params.in_proj_z).reshape(T, config.HV, config.V)
-    return (_linear(hidden, params.in_proj_qkv), z, _linear(hidden, params.in_proj_b),
-            _linear(hidden, params.in_proj_a))
+    z = linear(hidden, params.in_proj_z, impl=impl).reshape(T, config.HV, config.V)
+    return (linear(hidden, params.in_proj_qkv, impl=impl), z, linear(hidden, params.in_proj_b, impl=impl),
+            linear(hidden, params.in_proj_a, impl=impl))
 
 
 def gated_rms_norm(o, z, weight, eps: float):
@@ -208,9 +205,10 @@ def gated_rms_norm(o, z, weight, eps: float):
     return (n.astype(jnp.float32) * (zf * jax.nn.sigmoid(zf))).astype(dt)
 
 
-def out_projection(params: GDNLayerParams, y):
-    """y [T, HV*V] -> [T, hidden]. Under tensor parallelism each shard's result is a partial sum."""
-    return _linear(y, params.out_proj)
+def out_projection(params: GDNLayerParams, y, impl: str = "reference", out_dtype=None):
+    """y [T, HV*V] -> [T, hidden] (``out_dtype``, default y's). Under tensor parallelism each
+    shard's result is a partial sum (f32, rounded once after the reduction)."""
+    return linear(y, params.out_proj, out_dtype=out_dtype, impl=impl)
 
 
 def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDNLayerParams, cache: GDNCache,
@@ -231,11 +229,11 @@ def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDN
     _checks.check_shape("hidden", hidden, (T, config.hidden_size), "[T, hidden_size]")
     _checks.check_dtype("hidden", hidden, (config.act_dtype,), f"{config.act_dtype.name} (config.core.act_dtype)")
     params.validate(config)
-    mixed_qkv, z, b, a = in_projection(config, params, hidden)
+    mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
     o, cache, status = _step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
                              batch.metadata if isinstance(batch, HostBatch) else batch)
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps)
-    return out_projection(params, y.reshape(T, config.Z)), cache, status
+    return out_projection(params, y.reshape(T, config.Z), impl), cache, status
 
 
 class GatedDeltaNetLayer:

@@ -51,7 +51,7 @@ from . import _checks, paths
 from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, batch_status, build_batch, status_message
 from .checkpoint import load_layer_params
 from .config import GDNCache, GDNConfig, GDNParams
-from .layer import LAYER_STEPS, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection
+from .layer import LAYER_STEPS, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection, out_projection
 
 __all__ = [
     "DATA",
@@ -619,11 +619,11 @@ def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, 
     st = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=paths.STEP_KINDS[core_kind], impl=impl)
     st = _global_status(st, dp, tp)
     params.validate(config)
-    mixed_qkv, z, b, a = in_projection(config, params, hidden)
+    mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
     o, cache, op_st = paths._step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
                                   paths._neutralise(batch, st[0] == 0))
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps).reshape(T, config.Z)
-    part = jax.lax.dot_general(y, params.out_proj, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    part = out_projection(params, y, impl, jnp.float32)
     if scatter:
         out = jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
     else:
