@@ -4,12 +4,14 @@
 // Prints one line per check and "N passed, M failed"; exit status 1 on any failure.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gdn/dispatch.h"
@@ -93,6 +95,64 @@ std::vector<double> read_act(const void* p, DType t, size_t n) {
 
 double softplus(double x) { return x > 20 ? x : std::log1p(std::exp(x)); }
 double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
+
+// --- linear (the layer's projections) --------------------------------------------------
+// A Parallel on real threads: ranges of `grain` claimed from a counter by `threads` threads,
+// so the split and the order differ from the serial run.
+struct ThreadedParallel {
+  static void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
+    const int threads = *static_cast<int*>(ctx);
+    std::atomic<int64_t> next{0};
+    std::vector<std::thread> pool;
+    for (int i = 0; i < threads; ++i)
+      pool.emplace_back([&] {
+        for (int64_t b; (b = next.fetch_add(grain)) < n;) body(body_ctx, b, std::min(n, b + grain));
+      });
+    for (auto& t : pool) t.join();
+  }
+  int threads;
+  Parallel par() { return Parallel{&threads, run, threads}; }
+};
+
+// y = x w^T against float64: f32 output within 1e-6 relative RMSE; bf16 output one rounding
+// (within one bf16 step of the exact value, except where the exact value is tiny against the
+// row's scale, where f32 accumulation error may exceed a step); bit-identical on 3 threads.
+void test_linear(const KernelTable& kt, DType xdt, DType wdt, DType ydt, int64_t T, int64_t in, int64_t out,
+                 std::mt19937& rng) {
+  const std::string tag = std::string("x ") + (xdt == DType::f32 ? "f32" : "bf16") + " w " +
+                          (wdt == DType::f32 ? "f32" : "bf16") + " y " + (ydt == DType::f32 ? "f32" : "bf16") +
+                          " " + std::to_string(T) + "x" + std::to_string(in) + "x" + std::to_string(out);
+  Act x(size_t(T * in), rng), w(size_t(out * in), rng);
+  std::vector<double> ref(size_t(T * out));
+  double scale = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0;
+      for (int64_t i = 0; i < in; ++i) s += x.f64[t * in + i] * w.f64[o * in + i];
+      ref[t * out + o] = s;
+      scale = std::max(scale, std::fabs(s));
+    }
+  const size_t ybytes = size_t(T * out) * (ydt == DType::f32 ? 4 : 2);
+  std::vector<uint8_t> y1(ybytes, 0xAB), y3(ybytes, 0xCD);
+  LinearArgs p{xdt, wdt, ydt, x.ptr(xdt), w.ptr(wdt), y1.data(), T, in, out};
+  kt.linear(p, Parallel{});
+  ThreadedParallel tp{3};
+  p.y = y3.data();
+  kt.linear(p, tp.par());
+  const std::vector<double> got = read_act(y1.data(), ydt, size_t(T * out));
+  if (ydt == DType::f32) {
+    check("linear " + tag, rel_rmse(got, ref), 1e-6);
+  } else {
+    int64_t bad = 0;
+    for (size_t k = 0; k < ref.size(); ++k) {
+      if (std::fabs(ref[k]) < 1e-4 * scale) continue;
+      const int diff = int(bf16_bits(float(got[k]))) - int(bf16_bits(float(ref[k])));
+      bad += std::abs(diff) > 1;
+    }
+    check_true("linear " + tag + " within 1 bf16 step", bad == 0, bad ? std::to_string(bad) + " differ" : "");
+  }
+  check_true("linear " + tag + " 3 threads bit-identical", y1 == y3);
+}
 
 // --- gating -----------------------------------------------------------------------------
 void test_gating(const KernelTable& kt, DType act, std::mt19937& rng) {
@@ -1092,6 +1152,15 @@ int main() {
       big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
       test_recurrent_and_chunk(kt, act, DType::f32, rng, big, false);
     }
+    // Odd sizes (in not a multiple of the vector width, T and out not multiples of the tile),
+    // then several t and o blocks (the threaded split).
+    for (DType xdt : {DType::f32, DType::bf16})
+      for (DType wdt : {DType::f32, DType::bf16})
+        for (DType ydt : {DType::f32, DType::bf16}) {
+          for (auto s : {std::array<int64_t, 3>{1, 1, 1}, {1, 17, 9}, {3, 15, 5}, {5, 33, 13}, {2, 100, 31}})
+            test_linear(kt, xdt, wdt, ydt, s[0], s[1], s[2], rng);
+          test_linear(kt, xdt, wdt, ydt, 67, 257, 600, rng);
+        }
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
