@@ -47,22 +47,50 @@ inline void linear_tile(const TX* x, const TW* w, int64_t in, float out[MT][NT])
     for (int n = 0; n < NT; ++n) out[m][n] = vsum(acc[m][n]);
 }
 
-// Rows [t0, t0 + MT) x [o0, o1) in tiles of NT w rows (then single rows).
+// Rows [t0, t0 + MT) x [o0, o1) in tiles of NT w rows (then single rows); xr: x's row t0.
 template <int MT, int NT, class TX, class TW, class TY>
-inline void linear_rows(const TX* x, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t o0,
+inline void linear_rows(const TX* xr, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t o0,
                         int64_t o1) {
   float r[MT][NT];
   int64_t o = o0;
   for (; o + NT <= o1; o += NT) {
-    linear_tile<MT, NT>(x + t0 * in, w + o * in, in, r);
+    linear_tile<MT, NT>(xr, w + o * in, in, r);
     for (int m = 0; m < MT; ++m)
       for (int n = 0; n < NT; ++n) store1(y + (t0 + m) * out + o + n, r[m][n]);
   }
   for (; o < o1; ++o) {
     float r1[MT][1];
-    linear_tile<MT, 1>(x + t0 * in, w + o * in, in, r1);
+    linear_tile<MT, 1>(xr, w + o * in, in, r1);
     for (int m = 0; m < MT; ++m) store1(y + (t0 + m) * out + o, r1[m][0]);
   }
+}
+
+// Rows [t0, t1) x [o0, o1): tiles of kLinearMT rows, then single rows; xr: x's row t0.
+template <class TX, class TW, class TY>
+inline void linear_block_rows(const TX* xr, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t t1,
+                              int64_t o0, int64_t o1) {
+  int64_t t = t0;
+  for (; t + kLinearMT <= t1; t += kLinearMT)
+    linear_rows<kLinearMT, kLinearNT>(xr + (t - t0) * in, w, y, in, out, t, o0, o1);
+  for (; t < t1; ++t) linear_rows<1, kLinearNT1>(xr + (t - t0) * in, w, y, in, out, t, o0, o1);
+}
+template <class TW, class TY>
+inline void linear_block(const float* x, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t t1,
+                         int64_t o0, int64_t o1) {
+  linear_block_rows(x + t0 * in, w, y, in, out, t0, t1, o0, o1);
+}
+// bf16 x: widened once per block into f32 scratch (exact), so the tiles spend no conversion
+// on x rows that every w row of the block reuses.
+template <class TW, class TY>
+inline void linear_block(const bf16* x, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t t1,
+                         int64_t o0, int64_t o1) {
+  float* xf = thread_scratch<float, 2>((t1 - t0) * in);
+  const bf16* src = x + t0 * in;
+  const int64_t n = (t1 - t0) * in;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(xf + i, vload(src + i));
+  for (; i < n; ++i) xf[i] = to_f32(src[i]);
+  linear_block_rows(xf, w, y, in, out, t0, t1, o0, o1);
 }
 
 template <class TX, class TW, class TY>
@@ -83,9 +111,7 @@ void linear_impl(const LinearArgs& p, const Parallel& par) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t o0 = (b / n_tb) * ob, o1 = o0 + ob < out ? o0 + ob : out;
       const int64_t t0 = (b % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
-      int64_t t = t0;
-      for (; t + kLinearMT <= t1; t += kLinearMT) linear_rows<kLinearMT, kLinearNT>(x, w, y, in, out, t, o0, o1);
-      for (; t < t1; ++t) linear_rows<1, kLinearNT1>(x, w, y, in, out, t, o0, o1);
+      linear_block(x, w, y, in, out, t0, t1, o0, o1);
     }
   });
 }
