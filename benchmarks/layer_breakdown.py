@@ -10,6 +10,9 @@ bf16 operands are widened and use the same FMAs).
 
     PYTHONPATH=. python benchmarks/layer_breakdown.py            # writes benchmarks/LAYER.md
     PYTHONPATH=. python benchmarks/layer_breakdown.py --quick    # small shapes, a smoke run
+    PYTHONPATH=. python benchmarks/layer_breakdown.py --compare-xla --prefill-tokens 64  # + XLA's dot
+
+The projections run on the native kernel (gdn_jax_linear, the layer's impl).
 
 Medians of repeated calls after warm-up; the parts are timed one after another in the same
 run, so their sum may differ from the step (the step overlaps nothing, but XLA may fuse the
@@ -66,7 +69,7 @@ def case_batch(kind: str, n: int, num_slots: int):
     return build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=max(2, len(reqs))), T
 
 
-def run_case(name, dims, kind, n, peak, log):
+def run_case(name, dims, kind, n, peak, log, compare_xla=False):
     hidden, H, HV, K, V = dims
     cfg = GDNLayerConfig(hidden_size=hidden, core=GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K,
                                                             head_v_dim=V, act_dtype=jnp.bfloat16))
@@ -85,25 +88,33 @@ def run_case(name, dims, kind, n, peak, log):
         out, box["cache"], st = step(h, params, box["cache"], meta)
         return out
 
-    mixed, z, b, a = jax.jit(in_projection, static_argnums=0)(cfg, params, h)
+    proj = jax.jit(in_projection, static_argnums=(0, 3))
+    mixed, z, b, a = proj(cfg, params, h, "native")
 
     def core_call():
         o, box["cache"], st = core_step(mixed, b, a, params.core, box["cache"], meta)
         return o
 
     o = core_call()
-    proj = jax.jit(in_projection, static_argnums=0)
     norm = jax.jit(gated_rms_norm, static_argnums=3)
-    outp = jax.jit(out_projection)
+    outp = jax.jit(out_projection, static_argnums=2)
     y = norm(o, z, params.norm_weight, cfg.rms_norm_eps).reshape(T, cfg.Z)
-    t = dict(step=median_ms(layer_call), in_proj=median_ms(lambda: proj(cfg, params, h)), core=median_ms(core_call),
+    t = dict(step=median_ms(layer_call), in_proj=median_ms(lambda: proj(cfg, params, h, "native")), core=median_ms(core_call),
              norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps)),
-             out_proj=median_ms(lambda: outp(params, y)))
+             out_proj=median_ms(lambda: outp(params, y, "native")))
+    xla = None
+    if compare_xla:  # XLA's dot (impl="reference") in the same run; few calls, it can take seconds each
+        quick = dict(warmup=1, min_iters=3, target_s=0.0)
+        xla = (median_ms(lambda: proj(cfg, params, h, "reference"), **quick) +
+               median_ms(lambda: outp(params, y, "reference"), **quick))
+        log(f"  {name:<15} {kind} {n}: projections native {t['in_proj'] + t['out_proj']:.2f} ms, XLA dot "
+            f"{xla:.2f} ms ({xla / (t['in_proj'] + t['out_proj']):.1f}x)")
     flops = 2.0 * T * hidden * (cfg.D + cfg.Z + 2 * cfg.HV) + 2.0 * T * cfg.Z * hidden
     proj_ms = t["in_proj"] + t["out_proj"]
     gflops = flops / (proj_ms * 1e-3) / 1e9
     row = dict(model=name, case=f"{kind} {'B' if kind == 'decode' else 'T'}={n}", tokens=T, **t,
-               parts=sum(v for k, v in t.items() if k != "step"), proj_gflops=gflops, proj_peak=gflops / peak)
+               parts=sum(v for k, v in t.items() if k != "step"), proj_gflops=gflops, proj_peak=gflops / peak,
+               xla_proj=xla)
     log(f"  {row['model']:<15} {row['case']:<14} step {t['step']:9.2f} ms  in_proj {t['in_proj']:8.2f}  core "
         f"{t['core']:8.2f}  norm {t['norm']:6.2f}  out_proj {t['out_proj']:8.2f}  projections "
         f"{gflops:6.1f} GFLOP/s = {100 * row['proj_peak']:.0f}% of the FMA peak")
@@ -114,6 +125,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--compare-xla", action="store_true", help="also time the projections on XLA's dot")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "LAYER.md"))
     args = ap.parse_args(argv)
     if not gdn_jax.native_available():
@@ -136,7 +148,7 @@ def main(argv=None) -> int:
     for i, (name, dims) in enumerate(models.items()):
         for j, (kind, n) in enumerate(cases):
             print(f"[{i * len(cases) + j + 1}/{len(models) * len(cases)}] {name} {kind} {n}", flush=True)
-            rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True)))
+            rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True), args.compare_xla))
     if args.quick:
         return 0
     lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",
@@ -145,10 +157,13 @@ def main(argv=None) -> int:
              "run). Medians in ms. `parts` is the sum of the four parts timed alone.", "",
              "| model | case | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | % of FMA peak |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    if args.compare_xla:
+        lines[-2] += " projections on XLA's dot |"
+        lines[-1] += "---|"
     for r in rows:
         lines.append(f"| {r['model']} | {r['case']} | {r['step']:.2f} | {r['in_proj']:.2f} | {r['core']:.2f} | "
                      f"{r['norm']:.2f} | {r['out_proj']:.2f} | {r['parts']:.2f} | {r['proj_gflops']:.1f} | "
-                     f"{100 * r['proj_peak']:.0f}% |")
+                     f"{100 * r['proj_peak']:.0f}% |" + (f" {r['xla_proj']:.2f} |" if args.compare_xla else ""))
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
