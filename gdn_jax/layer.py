@@ -181,14 +181,22 @@ class GDNLayerParams:
         return self
 
 
+def _project(x, w, impl: str, out_dtype=None):
+    """:func:`gdn_jax.ops.linear` on the native kernel for bf16 weights only: XLA's CPU bf16 dot
+    is up to ~10x slower than it (one token), while for f32 weights XLA's own dot measured equal
+    or faster (0.7-0.9x the kernel's time; benchmarks/LAYER_NOTES.md). Same math either way."""
+    native = impl != "reference" and jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16)
+    return linear(x, w, out_dtype=out_dtype, impl=impl if native else "reference")
+
+
 def in_projection(config: GDNLayerConfig, params: GDNLayerParams, hidden, impl: str = "reference"):
     """hidden [T, hidden] -> mixed_qkv [T, D], z [T, HV, V], b [T, HV], a [T, HV] (act dtype).
 
-    ``impl`` of the projections (:func:`gdn_jax.ops.linear`); the layer passes its own."""
+    ``impl`` of the projections (:func:`gdn_jax.ops.linear`, bf16 weights); the layer passes its own."""
     T = hidden.shape[0]
-    z = linear(hidden, params.in_proj_z, impl=impl).reshape(T, config.HV, config.V)
-    return (linear(hidden, params.in_proj_qkv, impl=impl), z, linear(hidden, params.in_proj_b, impl=impl),
-            linear(hidden, params.in_proj_a, impl=impl))
+    z = _project(hidden, params.in_proj_z, impl).reshape(T, config.HV, config.V)
+    return (_project(hidden, params.in_proj_qkv, impl), z, _project(hidden, params.in_proj_b, impl),
+            _project(hidden, params.in_proj_a, impl))
 
 
 def gated_rms_norm(o, z, weight, eps: float):
@@ -208,7 +216,7 @@ def gated_rms_norm(o, z, weight, eps: float):
 def out_projection(params: GDNLayerParams, y, impl: str = "reference", out_dtype=None):
     """y [T, HV*V] -> [T, hidden] (``out_dtype``, default y's). Under tensor parallelism each
     shard's result is a partial sum (f32, rounded once after the reduction)."""
-    return linear(y, params.out_proj, out_dtype=out_dtype, impl=impl)
+    return _project(y, params.out_proj, impl, out_dtype)
 
 
 def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDNLayerParams, cache: GDNCache,
