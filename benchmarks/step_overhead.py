@@ -4,12 +4,11 @@ At Qwen3-Next-80B per-layer shapes (H=16, HV=32, K=V=128, D=8192, W=4, bf16 acti
 decode B=1 and B=8, spec 8 rows x 4 tokens (f32 and bf16 state), prefill T=2048 and 8192 (f32
 state), and the mixed step over a 2048-token bucket (a 2040-token prefill and 8 decode rows). Per case, in turns (one call of each, over and over, so that all see the same machine):
 
-* step:     GDNAttention.<kind>_with_status (the native step: batch check + one call);
+* step:     GDNAttention.<kind>_with_status (the native step: one call that checks the batch first);
 * composed: the same step as the op composition it replaced (paths._run_ops: the kernels one by
             one, masked indices, outputs summed; native ops);
 * kernels:  each kernel of the step as its own jitted op call on the same shapes (conv update +
             recurrence; conv update + spec recurrence; conv + gating + chunk), and their sum;
-* single:   the step without its separate batch_status call (the step call checks the batch too);
 * empty:    an empty jitted call (a donated [1] array returned): the fixed cost of one dispatch.
 
 Cold state: the decode and spec pools are 4x a 32 MiB LLC and every call takes the next disjoint
@@ -77,16 +76,6 @@ def composed(cfg, kind):
     return jax.jit(step, donate_argnames="cache")
 
 
-def single(cfg, kind):
-    """The native step without the separate batch_status call (the step call's own check only): what
-    that call costs."""
-
-    def step(x, b, a, params, cache, batch):
-        return paths._run_native(cfg, kind, x, b, a, params, cache, batch, jnp.zeros((4,), jnp.int32))
-
-    return jax.jit(step, donate_argnames="cache")
-
-
 def case(name, rng):
     """(calls: dict name -> no-arg call, kernels: names summed as 'its kernels')."""
     if name.startswith("decode") or name.startswith("spec"):
@@ -116,8 +105,7 @@ def case(name, rng):
         attn = GDNAttention(cfg, impl="native")
         calls = {"step": Cycle(getattr(attn, f"{kind}_with_status"), (x, b, a, params), GDNCache.create(cfg, N),
                                metas, 4),
-                 "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4),
-                 "single": Cycle(single(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
+                 "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
         # The kernels as ops on the same shapes, their own pools, the same slot sets.
         conv_pool = jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16)
         ssm_pool = jnp.zeros(cfg.ssm_state_shape(N), sd)
@@ -146,8 +134,7 @@ def case(name, rng):
         params = GDNParams.random(cfg, jax.random.key(0))
         attn = GDNAttention(cfg, impl="native")
         calls = {"step": Cycle(attn.prefill_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
-                 "composed": Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
-                 "single": Cycle(single(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
+                 "composed": Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
         qsl, idx, hs = meta.query_start_loc, meta.state_indices[:, 0], meta.has_initial_state
         conv = jax.jit(lambda x, pool: ops.causal_conv1d_fwd(
             x, weight=params.conv_weight, bias=None, conv_state=pool, query_start_loc=qsl, state_indices=idx,
@@ -182,9 +169,7 @@ def mixed_case(name, rng):
     attn = GDNAttention(cfg, impl="native")
     calls = {"step": Cycle(attn.gdn_attention_core_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
              "composed": Cycle(composed(cfg, "gdn_attention_core"), (x, b, a, params), GDNCache.create(cfg, N),
-                               [meta], 4),
-             "single": Cycle(single(cfg, "gdn_attention_core"), (x, b, a, params), GDNCache.create(cfg, N), [meta],
-                             4)}
+                               [meta], 4)}
     # Prefill kernels on the prefill tokens, decode kernels on the 8 decode tokens (rows in vLLM's
     # order: decode rows first).
     dec, pre = slice(0, 8), slice(8, T)
@@ -280,7 +265,7 @@ def main(argv=None):
         both = [measure(calls, target) for _ in range(args.repeats)]
         runs = [m[0] for m in both]
         p10 = {n: float(np.median([m[1][n] for m in both])) for n in calls}
-        pairs = (("step", kernels), ("composed", kernels), ("step", ("composed",)), ("single", ("step",)),
+        pairs = (("step", kernels), ("composed", kernels), ("step", ("composed",)),
                  ("step", kernels + ("empty",)))
         pr = {f"{a}/{'+'.join(b)}": float(np.median([paired(m[2], a, b) for m in both])) for a, b in pairs}
         pr_cpu = {f"{a}/{'+'.join(b)}": float(np.median([paired(m[3], a, b) for m in both])) for a, b in pairs}
@@ -296,7 +281,7 @@ def main(argv=None):
                              p10=p10, step_over_kernels_p10=ratio_p10, paired=pr, paired_cpu=pr_cpu,
                              cpu_medians=cpu_med, runs=runs)
         parts = " + ".join(f"{k} {med[k]:.3f}" for k in kernels)
-        print(f"{name:15s} step {med['step']:8.3f}  composed {med['composed']:8.3f}  single {med['single']:8.3f}  kernels {ksum:8.3f} ({parts})  "
+        print(f"{name:15s} step {med['step']:8.3f}  composed {med['composed']:8.3f}  kernels {ksum:8.3f} ({parts})  "
               f"empty {med['empty']:.3f}  step/kernels {ratio:.3f}  step/(kernels+empty) {ratio_e:.3f}  "
               f"composed/kernels {ratio_c:.3f}  | p10: step {p10['step']:.3f} composed {p10['composed']:.3f} "
               f"kernels {sum(p10[k] for k in kernels):.3f} step/kernels {ratio_p10:.3f}", flush=True)
