@@ -170,8 +170,10 @@ std::atomic<const KernelTable*> g_current{nullptr};
 std::once_flag g_init;
 
 void init_tables() {
+  // Only the ISAs this CPU runs: fill_table is compiled with its ISA's flags, and the compiler
+  // may use them for the table's own stores (GCC 12 did: AVX-512 moves in amx::fill_table).
   for (size_t i = 0; i < sizeof(kEntries) / sizeof(kEntries[0]); ++i) {
-    kEntries[i].fill(g_tables[i]);
+    if (kEntries[i].available()) kEntries[i].fill(g_tables[i]);
     g_tables[i].isa = kEntries[i].name;
   }
   const char* forced = std::getenv("GDN_JAX_ISA");
@@ -229,6 +231,16 @@ bool select_isa(const std::string& name, std::string* why) {
                  : "unknown ISA '" + name + "'; known: amx, avx512bf16, avx512, avx2, neon_bf16, neon, generic, amx_model";
   return false;
 }
+
+static std::atomic<int> g_chunk_size{0};
+
+bool force_chunk_size(int size) {
+  if (size != 0 && size != 32 && size != 64) return false;
+  g_chunk_size.store(size, std::memory_order_relaxed);
+  return true;
+}
+
+int forced_chunk_size() { return g_chunk_size.load(std::memory_order_relaxed); }
 
 std::string cpu_features() { return features().names; }
 
