@@ -321,7 +321,9 @@ def markdown(res, md_dir):
           "read-modify-write bandwidth (conv-update rows report theirs without a roofline: their 64-slot pool "
           "stays in the LLC), conv prefill rows activation bytes against the copy bandwidth; chunk and "
           "prefill rows report the chunked algorithm's GFLOP/s (`run.chunk_flops`: ffi/README.md's count for the "
-          "chunk kernel, 8.2 MFLOP per value head and 64-token chunk) against the bf16 dot-product peak. A rate "
+          f"chunk kernel at the chunk size gdn_jax uses, C = {res.get('chunk', 64)}; 8.0 MFLOP per value head and "
+          "64-token chunk, 3.5 per 32-token chunk) against the bf16 dot-product peak; every implementation's "
+          "time on a row is rated with that row's count. A rate "
           "above its roofline is not printed as a fraction: it means the probe undercounts the machine.", ""]
     errs = [(r.get("op") or r["case"], r.get("case") if r.get("op") else r["state"], r[k])
             for r in res.get("ops", []) + res.get("layer", []) for k in ("roofline_error", "roofline_error_interleaved")

@@ -52,7 +52,6 @@ import vllm_compare as vc  # noqa: E402
 H, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * H * K + HV * V
 LLC_BYTES = roofline.LLC_BYTES
-CHUNK = 64
 
 # --- timing ------------------------------------------------------------------------------------
 
@@ -135,14 +134,33 @@ def pool_slots(slot_bytes, used, cold):
     return max(used, int(np.ceil(4 * LLC_BYTES / slot_bytes)))
 
 
-def chunk_flops(lens):
-    """FLOPs of the chunked algorithm (chunk C=64), one model for ops, layer and vLLM rows: the count
-    of ffi/README.md (chunk, "Flops"): per value head and 64-token chunk at K = V = 128, Q.S0 + K.S0,
-    the state update, the causal T.R and P.V_new, the raw scores shared by a key head's value
-    heads, T: about 4.1 M multiply-adds = 8.2 MFLOP, scaled by K.V / 128^2. Element-wise work
-    (gates, decays, norms, conv) is not counted."""
-    n_chunks = sum((n + CHUNK - 1) // CHUNK for n in lens)
-    return HV * n_chunks * 8.2e6 * (K * V) / (128 * 128)
+def chunk_size(n):
+    """The chunk size gdn_jax's chunked prefill uses for a sequence of n tokens on the selected ISA."""
+    from gdn_jax import _gdn_ffi
+    return _gdn_ffi.chunk_size_for(int(n))
+
+
+def chunk_flops(lens, chunk=None):
+    """FLOPs of the chunked algorithm at the chunk size gdn_jax uses for each sequence (``chunk``:
+    one size for all), one count per row for every implementation timed on it: the count of
+    ffi/README.md (Chunked prefill, "Flops"): per value head and chunk of n tokens, Q.S0 + K.S0 and
+    the state update 3 n K V, the causal T.R and P.V_new n^2 V, the raw scores n^2 K per key head
+    (shared by its G value heads), T n^3 / 6 multiply-adds; 2 FLOP each. Element-wise work (gates,
+    decays, norms, conv) is not counted. C = 64, K = V = 128, G = 2: 8.0 MFLOP per chunk."""
+    G = HV // H
+    macs = 0.0
+    for n_seq in lens:
+        c = chunk or chunk_size(n_seq)
+        for t0 in range(0, n_seq, c):
+            n = min(c, n_seq - t0)
+            macs += 3 * n * K * V + n * n * V + n * n * K / G + n ** 3 / 6
+    return 2 * HV * macs
+
+
+def chunk_size_note():
+    """How gdn_jax chose the chunk size in this run (RESULTS.md, results.json)."""
+    long, short = chunk_size(1 << 20), chunk_size(1)
+    return f"{long} (sequences > 128 tokens), {short} (shorter)" if long != short else str(long)
 
 
 # --- ops: each op alone ------------------------------------------------------------------------
@@ -884,7 +902,7 @@ def main(argv=None):
                     errors=vc.Index(vjson).errors())
 
     env["duration_s"] = round(time.perf_counter() - t_run, 1)
-    res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows, chunk=CHUNK)
+    res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows, chunk=chunk_size_note())
     res["targets"] = report.targets(res)
     # Plots beside the report (benchmarks/plots/ for a full run, committed with RESULTS.md).
     plots_dir = os.path.join(os.path.dirname(os.path.abspath(results_md)), "plots")

@@ -9,6 +9,7 @@ size of that one rounding, measured on the same values: rel_rmse(bf16_round(ref)
 output does not see the pool's dtype except through the initial state, which the float64
 evaluation reads as the same (exact bf16) values, so the output budget is unchanged.
 """
+import contextlib
 import functools
 
 import jax
@@ -162,6 +163,45 @@ def test_varlen_batch_matches_f64(isa, act, state, cfg):
         ws = sorted(WRITTEN)
         np.testing.assert_array_equal(_bits(st[ws]), _bits(np.asarray(jnp.asarray(st32[ws], BF16))))
         np.testing.assert_array_equal(_bits(o), _bits(o32))
+
+
+@contextlib.contextmanager
+def _forced_chunk_size(size):
+    from gdn_jax import _gdn_ffi
+    _gdn_ffi.force_chunk_size(size)
+    try:
+        yield
+    finally:
+        _gdn_ffi.force_chunk_size(0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("act", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_both_chunk_sizes_match_f64(isa, act, chunk_size):
+    """Every ISA has both chunk sizes compiled (each picks one per sequence length): each, forced
+    for every sequence, meets the budgets on the varlen batch (chunk tails at both sizes)."""
+    q, k, v, g, beta, pool, qsl, ref_o, ref_pool = _batch_case(*CONFIGS[0], act, F32, False)
+    with _forced_chunk_size(chunk_size):
+        o, st = _run(q, k, v, g, beta, pool, qsl, IDX, HIS, act, F32, isa)
+    _check(o, st, ref_o, ref_pool, pool, qsl, IDX, act, F32, WRITTEN)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_chunk_size_rule(isa):
+    """64 up to 128 tokens, the ISA's size (32 or 64) above; a forced size applies to every length;
+    anything but 0, 32, 64 is refused."""
+    from gdn_jax import _gdn_ffi
+    with gdn_jax.use_isa(isa):
+        assert [_gdn_ffi.chunk_size_for(n) for n in (1, 64, 128)] == [64, 64, 64]
+        long = _gdn_ffi.chunk_size_for(129)
+        assert long in (32, 64) and _gdn_ffi.chunk_size_for(1 << 20) == long
+        for forced in (32, 64):
+            with _forced_chunk_size(forced):
+                assert [_gdn_ffi.chunk_size_for(n) for n in (1, 129, 1 << 20)] == [forced] * 3
+        assert _gdn_ffi.forced_chunk_size() == 0
+    with pytest.raises(ValueError, match="32, 64 or 0"):
+        _gdn_ffi.force_chunk_size(48)
 
 
 @pytest.mark.parametrize("isa", ISAS)

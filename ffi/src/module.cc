@@ -115,6 +115,18 @@ NB_MODULE(_gdn_ffi, m) {
       },
       nb::arg("reset") = false);
   m.def(
+      "force_chunk_size",
+      [](int size) {
+        if (!gdn::force_chunk_size(size))
+          throw nb::value_error(("chunk size must be 32, 64 or 0 (each ISA's choice), got " + std::to_string(size)).c_str());
+      },
+      nb::arg("size"), "Benchmarks and tests: the chunked prefill's chunk size for every sequence (0: the ISA's choice).");
+  m.def("forced_chunk_size", &gdn::forced_chunk_size);
+  m.def(
+      "chunk_size_for",
+      [](int64_t length) { return gdn::current_table().chunk_size_for(gdn::forced_chunk_size(), length); },
+      nb::arg("length"), "The chunk size the selected ISA's chunked prefill uses for a sequence of `length` tokens.");
+  m.def(
       "select_isa",
       [](const std::string& name) {
         std::string why;

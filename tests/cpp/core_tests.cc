@@ -552,16 +552,18 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
           sdt == DType::bf16 ? 4e-3 : (act == DType::f32 ? 1e-5 : 1e-4));
   }
 
-  // Chunked prefill: lengths {70, 0, 5, 64} (several chunks, empty, short); row 3 starts fresh
-  // on a slot full of NaN; row 1 is padding.
-  {
-    const std::vector<int32_t> lens = {70, 0, 5, 64};
-    const int64_t S = 4;
+  // Chunked prefill: lengths {70, 0, 5, 64, 150} (several chunks, empty, short, tails); row 3
+  // starts fresh on a slot full of NaN; row 1 is padding. At both chunk sizes compiled (32, 64),
+  // forced for every sequence as the tests and benchmarks can.
+  for (int chunk_size : {32, 64}) {
+    const std::string ctag = tag + " C=" + std::to_string(chunk_size);
+    const std::vector<int32_t> lens = {70, 0, 5, 64, 150};
+    const int64_t S = 5;
     std::vector<int32_t> qsl(S + 1, 0);
     for (int64_t s = 0; s < S; ++s) qsl[s + 1] = qsl[s] + lens[s];
     const int64_t T = qsl[S] + 1;
-    std::vector<int32_t> idx = {2, -1, 5, 6};
-    std::vector<uint8_t> hs = {1, 1, 1, 0};
+    std::vector<int32_t> idx = {2, -1, 5, 6, 1};
+    std::vector<uint8_t> hs = {1, 1, 1, 0, 1};
     Act q(T * H * K, rng), k(T * H * K, rng), v(T * HV * V, rng);
     std::vector<float> g(T * HV), beta(T * HV);
     std::uniform_real_distribution<float> ug(-0.3f, 0.f), ub(0.f, 1.f);
@@ -579,12 +581,12 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     p.beta = beta.data(); p.ssm_state = st.data(); p.o = o.data(); p.query_start_loc = qsl.data();
     p.state_indices = idx.data(); p.has_initial_state = reinterpret_cast<const bool*>(hs.data());
     p.T = T; p.S = S; p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V; p.scale = float(scale);
-    p.eps = float(eps); p.l2norm = true;
+    p.eps = float(eps); p.l2norm = true; p.chunk_size = chunk_size;
     const std::vector<uint8_t> st0 = st;
     kt.chunk(p, Parallel{});
-    check_mixed_qkv("chunk, mixed qkv rows = dense " + tag, p, q, k, v, act, st0, o, st,
+    check_mixed_qkv("chunk, mixed qkv rows = dense " + ctag, p, q, k, v, act, st0, o, st,
                     [&](const ChunkArgs& m) { kt.chunk(m, Parallel{}); });
-    check_row_filter("chunk, row filter " + tag, p, HV * V * es, st0, o, st,
+    check_row_filter("chunk, row filter " + ctag, p, HV * V * es, st0, o, st,
                      [](ChunkArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
                      [&](const ChunkArgs& m) { kt.chunk(m, Parallel{}); });
     std::vector<double> orf(T * HV * V, 0.0), qh(K), kh(K);
@@ -602,9 +604,9 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
         std::copy(Sm.begin(), Sm.end(), sref.begin() + (idx[s] * HV + h) * K * V);
       }
     }
-    check("chunk o              " + tag, rel_rmse(read_act(o.data(), act, T * HV * V), orf), f32all ? 1e-5 : 3e-3);
+    check("chunk o              " + ctag, rel_rmse(read_act(o.data(), act, T * HV * V), orf), f32all ? 1e-5 : 3e-3);
     // bf16 state: one rounding of the final state (and of the initial one, already in S0r).
-    check("chunk final state    " + tag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
+    check("chunk final state    " + ctag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
           sdt == DType::bf16 ? 4e-3 : (act == DType::f32 ? 1e-5 : 2e-3));
   }
 }

@@ -22,6 +22,11 @@ std::string selected_isa();
 // name is unknown or not available here; `why` then says which and why.
 bool select_isa(const std::string& name, std::string* why);
 
+// Forces the chunked prefill's chunk size for every sequence: 32 or 64, or 0 for each ISA's own
+// choice (kernels/chunk.h, chunk_size_for). Benchmarks and tests; false for any other size.
+bool force_chunk_size(int size);
+int forced_chunk_size();
+
 // CPU feature report for diagnostics ("avx512f avx512bf16 ..."). When the CPU has AMX but
 // it cannot be used, one of "amx_os_disabled", "amx_permission_denied" is listed too.
 std::string cpu_features();

@@ -124,6 +124,7 @@ struct ChunkArgs {
   float scale, eps;
   bool l2norm;
   RowFilter rows;                  // all rows unless a serving step says otherwise
+  int chunk_size = 0;              // 32 or 64 for every sequence; 0: the ISA's choice per sequence
 };
 
 // Token-row strides of q / k and v (RecurrentArgs, ChunkArgs): dense when the ld is 0.
@@ -149,6 +150,8 @@ struct KernelTable {
   void (*conv_update)(const ConvArgs&, const Parallel&) = nullptr;
   void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
   void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
+  // The chunk size chunk() uses for a sequence of `len` tokens (`forced`: ChunkArgs::chunk_size).
+  int (*chunk_size_for)(int forced, int64_t len) = nullptr;
   void (*linear)(const LinearArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
   int64_t fma_probe_flops = 0;                   // per iteration

@@ -28,6 +28,7 @@ static ffi::Error ChunkImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   p.scale = scale;
   p.eps = eps;
   p.l2norm = l2norm != 0;
+  p.chunk_size = forced_chunk_size();
   Status s = check_query_start_loc(p.query_start_loc, p.S, p.T);
   if (s.ok()) s = check_slots(p.state_indices, p.S, p.N);
   if (accept_batch(s, status, o)) current_table().chunk(p, make_parallel(&pool));

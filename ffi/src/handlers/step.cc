@@ -112,6 +112,7 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     c.scale = scale;
     c.eps = eps;
     c.l2norm = l2norm != 0;
+    c.chunk_size = forced_chunk_size();
     c.rows = RowFilter{kind, pre_bits | (1u << kRowPad)};
     kt.chunk(c, par);
   }

@@ -1,4 +1,4 @@
-// Chunked (WY, chunk 64) gated delta rule prefill over varlen sequences.
+// Chunked (WY, chunk 32 or 64) gated delta rule prefill over varlen sequences.
 // Included inside the ISA namespace (no include guard, no system headers).
 //
 // Work item = (sequence, value head); the chunks of one item run in order because the
@@ -133,7 +133,7 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
 // chunked prefill
 // ---------------------------------------------------------------------------------------
 
-constexpr int kChunk = 64;
+// Chunk size C: a template parameter (32 or 64), chosen per sequence in chunk_impl() below.
 
 // Per-thread scratch (thread_scratch in scalar.h): no allocation per call. Every byte a
 // work item reads from it was written by that work item first, so results do not depend on
@@ -142,6 +142,7 @@ inline float* chunk_scratch(int64_t floats) { return thread_scratch<float, 0>(fl
 
 // Layout of one thread's scratch (floats) for head dims K, V and a group of gsz value heads
 // sharing one key head. "Panels" = 16-column blocks, each a contiguous rows x 16 block.
+template <int C>
 struct ChunkBufs {
   float* S;        // gsz x [K][V] as V/16 panels of K rows: the f32 working states
   float *Qc, *Kc;  // [C][K] row-major: q^ (scale folded in) and k^ of the chunk
@@ -165,21 +166,21 @@ struct ChunkBufs {
       return p;
     };
     S = take(gsz * K * V);
-    Qc = take(kChunk * K);
-    Kc = take(kChunk * K);
-    KcT = take(K * kChunk);
-    SQ = take(kChunk * kChunk);
-    SK = take(kChunk * kChunk);
-    P = take(kChunk * kChunk);
-    A = take(kChunk * kChunk);
-    Tm = take(kChunk * kChunk);
-    XQ = take(kChunk * V);
-    XK = take(kChunk * V);
-    Vn = take(kChunk * V);
-    eg = take(kChunk);
-    dg = take(kChunk);
-    gh = take(kChunk);
-    gl = take(kChunk);
+    Qc = take(C * K);
+    Kc = take(C * K);
+    KcT = take(K * C);
+    SQ = take(C * C);
+    SK = take(C * C);
+    P = take(C * C);
+    A = take(C * C);
+    Tm = take(C * C);
+    XQ = take(C * V);
+    XK = take(C * V);
+    Vn = take(C * V);
+    eg = take(C);
+    dg = take(C);
+    gh = take(C);
+    gl = take(C);
     decay = take(K);
     total = off;
   }
@@ -189,10 +190,9 @@ struct ChunkBufs {
 // the raw scores. Also prefetches the rows of the next chunk (n_next tokens) of this key
 // head and of value heads [h0, h0 + gsz): rows 4-8 KiB apart, a stride the hardware
 // prefetcher does not follow; they arrive while this chunk computes.
-template <class TA>
-inline void chunk_prep(const ChunkArgs& p, const ChunkBufs& b, int64_t t0, int n, int n_next, int64_t kh,
+template <int C, class TA>
+inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, int64_t t0, int n, int n_next, int64_t kh,
                        int64_t h0, int64_t gsz) {
-  constexpr int C = kChunk;
   const int64_t HV = p.HV, K = p.K, V = p.V, qk_ld = qk_row_stride(p), v_ld = v_row_stride(p);
   const int Ki = int(K);
   const TA* q = static_cast<const TA*>(p.q);
@@ -253,10 +253,9 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs& b, int64_t t0, int n
 
 // One chunk for value head h (after chunk_prep); S holds the head's state before the chunk
 // as panels (ignored and overwritten when zero_state) and the state after it on return.
-template <class TA>
-inline void chunk_head(const ChunkArgs& p, const ChunkBufs& b, float* S, int64_t t0, int n, int64_t h,
+template <int C, class TA>
+inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int64_t t0, int n, int64_t h,
                        bool zero_state) {
-  constexpr int C = kChunk;
   const int64_t HV = p.HV, K = p.K, V = p.V;
   const int Ki = int(K), Vi = int(V);
   const TA* v = static_cast<const TA*>(p.v);
@@ -396,12 +395,57 @@ inline int64_t chunk_group(const ChunkArgs& p, int threads) {
   return 1;
 }
 
+// One work item at chunk size C: the gsz value heads [h0, h0 + gsz) of sequence [bos, eos)
+// (slot >= 0), from the slot's state or from zero, back into the slot.
+template <int C, class TA, class TS>
+void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t bos, int64_t eos, int32_t slot,
+                int64_t h0, bool zero_state) {
+  const int64_t HV = p.HV, K = p.K, V = p.V, kh = h0 / (HV / p.H);
+  TS* pool = static_cast<TS*>(p.ssm_state);
+  const ChunkBufs<C> b(scratch, K, V, gsz);
+  if (!zero_state) {
+    for (int64_t j = 0; j < gsz; ++j) {  // k-major [K][V] -> panels
+      const TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
+      float* Sj = b.S + j * K * V;
+      for (int64_t r = 0; r < K; ++r)
+        for (int64_t c = 0; c < V; c += kLanes) vstore(Sj + c * K + r * kLanes, vload(st + r * V + c));
+    }
+  }
+  for (int64_t t0 = bos; t0 < eos; t0 += C) {
+    const int n = int(eos - t0 < C ? eos - t0 : C);
+    const int64_t rest = eos - t0 - n;
+    chunk_prep<C, TA>(p, b, t0, n, int(rest < C ? rest : C), kh, h0, gsz);
+    for (int64_t j = 0; j < gsz; ++j) chunk_head<C, TA>(p, b, b.S + j * K * V, t0, n, h0 + j, zero_state);
+    zero_state = false;
+  }
+  for (int64_t j = 0; j < gsz; ++j) {
+    TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
+    const float* Sj = b.S + j * K * V;
+    for (int64_t r = 0; r < K; ++r)
+      for (int64_t c = 0; c < V; c += kLanes) vstore(st + r * V + c, vload(Sj + c * K + r * kLanes));
+  }
+}
+
+// Chunk size per sequence: p.chunk_size when the caller forces one (tests, benchmarks), else
+// kChunkLong for sequences longer than 128 tokens and 64 for shorter ones (fewer, fuller
+// chunks). kChunkLong is the ISA's (GDN_CHUNK_LONG, set by its translation unit; 64 unless
+// measured otherwise): ffi/README.md, "Chunk size".
+#ifndef GDN_CHUNK_LONG
+#define GDN_CHUNK_LONG 64
+#endif
+constexpr int kChunkLong = GDN_CHUNK_LONG;
+static_assert(kChunkLong == 32 || kChunkLong == 64, "chunk sizes compiled: 32, 64");
+
+inline int chunk_size_for(int forced, int64_t len) {
+  if (forced != 0) return forced;
+  return len > 128 ? kChunkLong : 64;
+}
+
 template <class TA, class TS>
 void chunk_impl(const ChunkArgs& p, const Parallel& par) {
-  const int64_t HV = p.HV, K = p.K, V = p.V, S = p.S, G = HV / p.H;
+  const int64_t HV = p.HV, K = p.K, V = p.V, S = p.S;
   const int32_t* qsl = p.query_start_loc;
   TA* o = static_cast<TA*>(p.o);
-  TS* pool = static_cast<TS*>(p.ssm_state);
 
   // Tokens no sequence covers: zero output.
   const int64_t covered = qsl[S];
@@ -409,11 +453,12 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par) {
 
   const int64_t gsz = chunk_group(p, par.num_threads);
   const int64_t groups = HV / gsz;  // items per sequence
-  const int64_t need = ChunkBufs(nullptr, K, V, gsz).total;
+  const int64_t need32 = ChunkBufs<32>(nullptr, K, V, gsz).total, need64 = ChunkBufs<64>(nullptr, K, V, gsz).total;
+  const int64_t need = need32 > need64 ? need32 : need64;
   par(S * groups, 1, [&](int64_t begin, int64_t end) {
-    const ChunkBufs b(chunk_scratch(need), K, V, gsz);
+    float* scratch = chunk_scratch(need);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / groups, h0 = (item % groups) * gsz, kh = h0 / G;
+      const int64_t s = item / groups, h0 = (item % groups) * gsz;
       const int64_t bos = qsl[s], eos = qsl[s + 1];
       if (eos <= bos || !p.rows.owns(s)) continue;  // zero-length or another kernel's row
       const int32_t slot = p.state_indices[s];
@@ -421,28 +466,9 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par) {
         for (int64_t t = bos; t < eos; ++t) std::memset(o + (t * HV + h0) * V, 0, size_t(gsz * V) * sizeof(TA));
         continue;
       }
-      bool zero_state = !p.has_initial_state[s];
-      if (!zero_state) {
-        for (int64_t j = 0; j < gsz; ++j) {  // k-major [K][V] -> panels
-          const TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
-          float* Sj = b.S + j * K * V;
-          for (int64_t r = 0; r < K; ++r)
-            for (int64_t c = 0; c < V; c += kLanes) vstore(Sj + c * K + r * kLanes, vload(st + r * V + c));
-        }
-      }
-      for (int64_t t0 = bos; t0 < eos; t0 += kChunk) {
-        const int n = int(eos - t0 < kChunk ? eos - t0 : kChunk);
-        const int64_t rest = eos - t0 - n;
-        chunk_prep<TA>(p, b, t0, n, int(rest < kChunk ? rest : kChunk), kh, h0, gsz);
-        for (int64_t j = 0; j < gsz; ++j) chunk_head<TA>(p, b, b.S + j * K * V, t0, n, h0 + j, zero_state);
-        zero_state = false;
-      }
-      for (int64_t j = 0; j < gsz; ++j) {
-        TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
-        const float* Sj = b.S + j * K * V;
-        for (int64_t r = 0; r < K; ++r)
-          for (int64_t c = 0; c < V; c += kLanes) vstore(st + r * V + c, vload(Sj + c * K + r * kLanes));
-      }
+      const bool zero_state = !p.has_initial_state[s];
+      if (chunk_size_for(p.chunk_size, eos - bos) == 32) chunk_item<32, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
+      else chunk_item<64, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
     }
   });
 }
