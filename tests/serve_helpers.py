@@ -300,7 +300,8 @@ def token_scan_step(cfg, params, conv, ssm, rows, x, b, a):
                 read[lo + t], write[lo + t] = (slots[acc - 1] if t == 0 else slots[t - 1]), slots[t]
             else:
                 read[lo + t] = write[lo + t] = s0
-        reset[lo] = kind == "prefill" and n > 0 and not init
+        if kind == "prefill" and n > 0 and not init:  # a zero-length row may start at lo == T
+            reset[lo] = True
     # The step stores conv outputs in the act dtype (rounded here in NumPy: no device program).
     y = F.bf16_round(y, np.float32) if cfg.act_dtype == np.dtype(jnp.bfloat16) else y.astype(np.float32)
     hk = cfg.H * cfg.K
