@@ -146,7 +146,7 @@ def chunk_flops(lens, chunk=None):
     ffi/README.md (Chunked prefill, "Flops"): per value head and chunk of n tokens, Q.S0 + K.S0 and
     the state update 3 n K V, the causal T.R and P.V_new n^2 V, the raw scores n^2 K per key head
     (shared by its G value heads), T n^3 / 6 multiply-adds; 2 FLOP each. Element-wise work (gates,
-    decays, norms, conv) is not counted. C = 64, K = V = 128, G = 2: 8.0 MFLOP per chunk."""
+    decays, norms, conv) is not counted. C = 64, K = V = 128, G = 2: 8.0 MFLOP per value head and chunk."""
     G = HV // H
     macs = 0.0
     for n_seq in lens:

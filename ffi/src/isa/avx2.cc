@@ -3,7 +3,7 @@
 #include <immintrin.h>
 #define GDN_ISA_NS avx2
 #define GDN_VEC_HEADER "kernels/vec_avx2.h"
-// Chunk size of sequences longer than 128 tokens (kernels/chunk.h): 32 measured 5-11% faster
+// Chunk size of sequences longer than 128 tokens (kernels/chunk.h): 32 measured 4-11% faster
 // than 64 here on Zen 3 (ffi/README.md, "Chunk size").
 #define GDN_CHUNK_LONG 32
 #include "kernels/all_kernels.inc"

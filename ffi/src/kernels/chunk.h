@@ -467,8 +467,10 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par) {
         continue;
       }
       const bool zero_state = !p.has_initial_state[s];
-      if (chunk_size_for(p.chunk_size, eos - bos) == 32) chunk_item<32, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
-      else chunk_item<64, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
+      if (chunk_size_for(p.chunk_size, eos - bos) == 32)
+        chunk_item<32, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
+      else
+        chunk_item<64, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
     }
   });
 }
