@@ -453,8 +453,7 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par) {
 
   const int64_t gsz = chunk_group(p, par.num_threads);
   const int64_t groups = HV / gsz;  // items per sequence
-  const int64_t need32 = ChunkBufs<32>(nullptr, K, V, gsz).total, need64 = ChunkBufs<64>(nullptr, K, V, gsz).total;
-  const int64_t need = need32 > need64 ? need32 : need64;
+  const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz).total;  // C = 64's buffers hold C = 32's
   par(S * groups, 1, [&](int64_t begin, int64_t end) {
     float* scratch = chunk_scratch(need);
     for (int64_t item = begin; item < end; ++item) {
