@@ -103,14 +103,14 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 //   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
 //   o and kvn accumulate over k in one chain per column (ffi/README.md, "One accumulator
 //   chain"): with rec_kv's even / odd pairs AVX2 ran out of ymm registers in the spec passes.
-// pf (may be null; used for a bf16 source): the next column block to be read from memory,
-// same row stride; its row k is prefetched beside row k of this one. A bf16 block row is one
-// 64-byte line, rows V elements apart: short pieces the hardware prefetchers follow poorly.
-// Spread over this pass (the longest: it converts, rounds and stores), the prefetches keep a
-// few lines in flight all the time; issued as a burst in rec_kv they stalled on full miss
-// buffers (2026-11-30, dev host: bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32
-// 4.6 -> 3.5-3.9 ms). An f32 block row is two lines, which the hardware prefetches well
-// (measured: no gain), so f32 sources pass null.
+// pf (may be null): the next column block to be read from memory, same row stride; its row k
+// is prefetched beside row k of this one, so that reads are in flight while this pass computes
+// (nothing else reads memory meanwhile). A block row is one (bf16) or two (f32) 64-byte lines,
+// rows V elements apart: short pieces the hardware prefetchers follow poorly. Spread over this
+// pass, the prefetches keep a few lines in flight all the time; issued as a burst in rec_kv they
+// stalled on full miss buffers (2026-11-30, dev host: bf16-state decode B = 8 1.18-1.23 ->
+// 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 up to ~10%: ffi/README.md, "Recurrent decode /
+// spec").
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
@@ -121,7 +121,7 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
   const VF va = vset1(alpha);
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    if (sizeof(Src) == 2 && pf != nullptr) {  // see above
+    if (pf != nullptr) {  // see above
       for (int e = 0; e < NV * kLanes; e += kLineElems) {
         __builtin_prefetch(pf + k * s_ld + e, 0, 3);
         __builtin_prefetch(pf + (k + 1) * s_ld + e, 0, 3);

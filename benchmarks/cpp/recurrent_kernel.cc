@@ -1,0 +1,204 @@
+// The recurrent kernel alone (decode / spec verify), without XLA, jit or Python in the way:
+// the selected ISA's table entry on a cold slot pool (4x a 32 MiB LLC), threads of its own
+// that spin between calls (no wake-up cost), a fresh slot set per call. Prints the median.
+// For A/B work on the kernel, where a jitted op's time moves more with the host than with the
+// change (ffi/README.md, "Recurrent decode / spec", Prefetch). Built with the core tests:
+//   cmake -S . -B build/core -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON
+//   cmake --build build/core && build/core/gdn_recurrent_kernel_bench --batch 8 --state f32
+// GDN_JAX_ISA picks the ISA as for the extension.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gdn/dispatch.h"
+
+namespace {
+
+using gdn::Parallel;
+
+// A spinning thread leaves the core's other hardware thread its issue slots.
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Caller-helps parallel-for on helpers that spin for the next job (ranges of n / (4 threads)).
+class SpinPool {
+ public:
+  explicit SpinPool(int threads) : threads_(threads) {
+    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper(); });
+  }
+  ~SpinPool() {
+    stop_.store(true);
+    for (auto& t : helpers_) t.join();
+  }
+  Parallel parallel() {
+    Parallel p;
+    p.ctx = this;
+    p.run_fn = &SpinPool::run;
+    p.num_threads = threads_;
+    return p;
+  }
+
+ private:
+  static void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
+    auto* self = static_cast<SpinPool*>(ctx);
+    self->body_ = body;
+    self->body_ctx_ = body_ctx;
+    self->n_ = n;
+    self->step_ = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + 4 * self->threads_ - 1) / (4 * self->threads_));
+    self->next_.store(0);
+    self->busy_.store(self->threads_ - 1);
+    self->generation_.fetch_add(1, std::memory_order_release);
+    self->drain();
+    while (self->busy_.load(std::memory_order_acquire) > 0) relax();
+  }
+  void drain() {
+    for (;;) {
+      const int64_t b = next_.fetch_add(1) * step_;
+      if (b >= n_) return;
+      body_(body_ctx_, b, std::min(n_, b + step_));
+    }
+  }
+  void helper() {
+    int seen = 0;
+    for (;;) {
+      int g;
+      while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+        if (stop_.load()) return;
+        relax();
+      }
+      seen = g;
+      drain();
+      busy_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+  int threads_;
+  std::vector<std::thread> helpers_;
+  std::atomic<int> generation_{0}, busy_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> next_{0};
+  Parallel::Body body_ = nullptr;
+  void* body_ctx_ = nullptr;
+  int64_t n_ = 0, step_ = 1;
+};
+
+int usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [--batch B] [--tokens T (per row; > 1: spec verify)] [--state f32|bf16] "
+               "[--threads N] [--calls C]\n",
+               argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int B = 8, nq = 1, threads = 2, calls = 400;
+  bool bf16_state = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) return usage(argv[0]);
+    const char* v = argv[++i];
+    if (a == "--batch") B = std::atoi(v);
+    else if (a == "--tokens") nq = std::atoi(v);
+    else if (a == "--threads") threads = std::atoi(v);
+    else if (a == "--calls") calls = std::atoi(v);
+    else if (a == "--state" && (std::string(v) == "f32" || std::string(v) == "bf16")) bf16_state = std::string(v) == "bf16";
+    else return usage(argv[0]);
+  }
+  if (B < 1 || nq < 1 || threads < 1 || calls < 1) return usage(argv[0]);
+  // Qwen3-Next-80B per-layer shapes, bf16 activations.
+  const int64_t H = 16, HV = 32, K = 128, V = 128, T = int64_t(B) * nq;
+  const size_t slot_bytes = size_t(HV * K * V) * (bf16_state ? 2 : 4);
+  const int64_t per_call = int64_t(B) * nq;
+  int64_t N = std::max<int64_t>(per_call, int64_t((4ull << 25) / slot_bytes));
+  N = N / per_call * per_call;
+  // Page-aligned like XLA's buffers (the kernel streams only to 64-byte aligned slots), zeroed:
+  // every page faulted in before the timing.
+  const size_t pool_bytes = static_cast<size_t>(N) * slot_bytes;
+  std::unique_ptr<char, decltype(&std::free)> pool(static_cast<char*>(std::aligned_alloc(4096, pool_bytes)), &std::free);
+  if (!pool) {
+    std::fprintf(stderr, "cannot allocate the %zu-byte slot pool\n", pool_bytes);
+    return 1;
+  }
+  std::memset(pool.get(), 0, pool_bytes);
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int> byte(0, 255);
+  // bf16 activations: a small random mantissa around 0.5 (sign and exponent fixed), so the
+  // state stays bounded over the calls.
+  auto act = [&](int64_t n) {
+    std::vector<uint16_t> x(static_cast<size_t>(n));
+    for (auto& e : x) e = uint16_t(0x3f00 | byte(rng) >> 1);
+    return x;
+  };
+  const std::vector<uint16_t> q = act(T * H * K), k = act(T * H * K), v = act(T * HV * V), a = act(T * HV),
+                              b = act(T * HV);
+  std::vector<uint16_t> o(static_cast<size_t>(T * HV * V));
+  std::vector<float> A_log(static_cast<size_t>(HV), 0.f), dt_bias(static_cast<size_t>(HV), 0.f);
+  std::vector<int32_t> qsl(static_cast<size_t>(B + 1)), idx(static_cast<size_t>(N)),
+      accepted(static_cast<size_t>(B), 1);
+  for (int i = 0; i <= B; ++i) qsl[size_t(i)] = i * nq;
+  for (int64_t i = 0; i < N; ++i) idx[size_t(i)] = int32_t(i);
+  std::shuffle(idx.begin(), idx.end(), rng);
+
+  gdn::RecurrentArgs r{};
+  r.act = gdn::DType::bf16;
+  r.state = bf16_state ? gdn::DType::bf16 : gdn::DType::f32;
+  r.q = q.data();
+  r.k = k.data();
+  r.v = v.data();
+  r.qk_ld = H * K;
+  r.v_ld = HV * V;
+  r.a = a.data();
+  r.b = b.data();
+  r.A_log = A_log.data();
+  r.dt_bias = dt_bias.data();
+  r.ssm_state = pool.get();
+  r.o = o.data();
+  r.query_start_loc = qsl.data();
+  r.num_accepted = accepted.data();
+  r.index_cols = nq;
+  r.T = T;
+  r.S = B;
+  r.N = N;
+  r.H = H;
+  r.HV = HV;
+  r.K = K;
+  r.V = V;
+  r.scale = 1.f / std::sqrt(float(K));
+  r.eps = 1e-6f;
+  r.l2norm = true;
+
+  SpinPool workers(threads);
+  const Parallel par = workers.parallel();
+  const gdn::KernelTable& table = gdn::current_table();
+  std::vector<double> ms;
+  for (int c = 0; c < calls + 5; ++c) {
+    r.state_indices = idx.data() + (c % (N / per_call)) * per_call;
+    const auto t0 = std::chrono::steady_clock::now();
+    table.recurrent(r, par);
+    const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (c >= 5) ms.push_back(dt);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  // Bytes of state: every row reads its start slot and writes one slot per token.
+  const double bytes = double(B) * double(1 + nq) * double(slot_bytes);
+  std::printf("%s recurrent B=%d tokens=%d state=%s threads=%d: median %.3f ms (p10 %.3f, p90 %.3f), %.1f GB/s\n",
+              gdn::selected_isa().c_str(), B, nq, bf16_state ? "bf16" : "f32", threads, med, ms[ms.size() / 10],
+              ms[ms.size() * 9 / 10], bytes / med / 1e6);
+  return 0;
+}
