@@ -28,10 +28,12 @@ $(VENV)/.deps-stamp: pyproject.toml
 
 # In-tree build: the extension lands in gdn_jax/ so `import gdn_jax` works from the
 # checkout (tests, examples, benchmarks). `pip install .` builds the same thing as a wheel.
+# The same build directory holds the C++ core tests (built only by test-core): the kernel
+# library is compiled once for both.
 build: venv
-	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DGDN_BUILD_CORE_TESTS=ON \
 	    -DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
-	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS)
+	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target _gdn_ffi
 	cp $(BUILD)/_gdn_ffi*.so gdn_jax/
 
 demo: build
@@ -43,8 +45,9 @@ test: build test-core
 # The C++ kernel-core tests alone: native + aarch64 under qemu, then natively under
 # AddressSanitizer + UndefinedBehaviorSanitizer (the sanitized aarch64 build and the sanitized
 # extension are `make test-sanitize`: too long for every CI run on 2 cores).
-test-core: venv
-	CMAKE=$(abspath $(VENV)/bin/cmake) tests/cpp/run_core_tests.sh
+test-core: build
+	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target gdn_core_tests gdn_recurrent_kernel_bench
+	CMAKE=$(abspath $(VENV)/bin/cmake) CORE_BUILD=$(BUILD) tests/cpp/run_core_tests.sh
 	CMAKE=$(abspath $(VENV)/bin/cmake) PY=$(PY) GDN_SAN_CORE_ONLY=1 GDN_SKIP_ARM=1 tests/cpp/run_sanitize.sh
 
 # The sanitized core tests, then the extension built with ASan+UBSan under a pytest subset

@@ -2,15 +2,22 @@
 # The C++ kernel-core tests: natively (every ISA this CPU has), then cross-compiled for
 # aarch64 and run under qemu-aarch64 with a BF16 CPU model (neon_bf16, neon, generic) and
 # with one lacking BF16 (neon, generic). Installs the cross compiler and qemu-user if missing.
+# CORE_BUILD: a build directory where gdn_core_tests and gdn_recurrent_kernel_bench are built
+# already (`make test-core` passes the extension's, which shares the kernel library); without
+# it the native tests are configured and built in build/core.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CMAKE=${CMAKE:-cmake}
-"$CMAKE" -S . -B build/core -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON >/dev/null
-"$CMAKE" --build build/core -j 2 >/dev/null
+CORE_BUILD=${CORE_BUILD:-}
+if [ -z "$CORE_BUILD" ]; then
+  CORE_BUILD=build/core
+  "$CMAKE" -S . -B "$CORE_BUILD" -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON >/dev/null
+  "$CMAKE" --build "$CORE_BUILD" -j 2 >/dev/null
+fi
 echo "== native ($(uname -m))"
-./build/core/gdn_core_tests | tail -n 1
+"$CORE_BUILD/gdn_core_tests" | tail -n 1
 # The kernel benchmark built beside them must run (benchmarks/README.md); 3 calls, not timed.
-./build/core/gdn_recurrent_kernel_bench --batch 2 --tokens 2 --calls 3 >/dev/null
+"$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --tokens 2 --calls 3 >/dev/null
 
 if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then echo "== aarch64: skipped (GDN_SKIP_ARM=1)"; exit 0; fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
