@@ -2,7 +2,8 @@
 // the selected ISA's table entry on a cold slot pool (4x a 32 MiB LLC), threads of its own
 // that spin between calls (no wake-up cost), a fresh slot set per call. Prints the median.
 // For A/B work on the kernel, where a jitted op's time moves more with the host than with the
-// change (ffi/README.md, "Recurrent decode / spec", Prefetch). Built with the core tests:
+// change (ffi/README.md, "Recurrent decode / spec", Prefetch). Built with the core tests
+// (`make test-core`: build/dev/gdn_recurrent_kernel_bench), or alone:
 //   cmake -S . -B build/core -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON
 //   cmake --build build/core && build/core/gdn_recurrent_kernel_bench --batch 8 --state f32
 // GDN_JAX_ISA picks the ISA as for the extension.
