@@ -35,12 +35,12 @@ through the ops once, so XLA updates it in place):
 Errors. Shape/dtype mistakes raise ValueError/TypeError at trace time (nothing is donated
 then). A bad batch (data) is caught by :func:`gdn_jax.batch.batch_status`'s check inside the
 step (natively: inside the step call) *before any op runs*: the step then writes nothing,
-returns zeros and the cache unchanged (the same buffers), and a nonzero status. ``*_with_status`` return that status; the plain
-host wrappers check it and raise :class:`gdn_jax.InvalidBatchError` whose ``caches`` holds
-the returned, unchanged cache, so a caller who donated its cache keeps serving. The step's
-validation covers every check the kernels make (and more: row kinds, one slot across all
-ops), so the ops' (or the native step call's) own statuses can only fire if the two disagree;
-they are reported too.
+returns zeros and the cache unchanged (the same buffers), and a nonzero status.
+``*_with_status`` return that status; the plain host wrappers check it and raise
+:class:`gdn_jax.InvalidBatchError` whose ``caches`` holds the returned, unchanged cache, so a
+caller who donated its cache keeps serving. The step's validation covers every check the
+kernels make (and more: row kinds, one slot across all ops), so the ops' (or the native step
+call's) own statuses can only fire if the two disagree; they are reported too.
 """
 from __future__ import annotations
 

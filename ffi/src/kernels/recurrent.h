@@ -103,19 +103,19 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 //   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
 //   o and kvn accumulate over k in one chain per column (ffi/README.md, "One accumulator
 //   chain"): with rec_kv's even / odd pairs AVX2 ran out of ymm registers in the spec passes.
-// pf (may be null): the next column block to be read from memory (row stride pf_ld); this pass
-// prefetches the row pairs k / 2 = pf_phase (mod pf_every) of it beside the same rows of this
-// one, so that reads are in flight while the group's passes compute (nothing else reads memory
-// meanwhile): each of a group's n token passes takes one n-th of the rows. A block row is one
-// (bf16) or two (f32) 64-byte lines, rows V elements apart: short pieces the hardware
-// prefetchers follow poorly. Spread over the passes, the prefetches keep a few lines in flight
-// all the time; issued as a burst in rec_kv they stalled on full miss buffers (2026-11-30, dev
-// host: bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 and
-// the spread over a spec group's passes: ffi/README.md, "Recurrent decode / spec").
+// pf (may be null): the next column block to be read from memory (a pool block, dst's row stride
+// d_ld); this pass prefetches the row pairs k / 2 = pf_phase (mod pf_every) of it beside the same
+// rows of this one, so that reads are in flight while the group's passes compute (nothing else
+// reads memory meanwhile): each of a group's n token passes takes one n-th of the rows. A block row
+// is one (bf16) or two (f32) 64-byte lines, rows V elements apart: short pieces the hardware
+// prefetchers follow poorly. Spread over the passes, the prefetches keep a few lines in flight all
+// the time; issued as a burst in rec_kv they stalled on full miss buffers (2026-11-30, dev host:
+// bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 and the spread
+// over a spec group's passes: ffi/README.md, "Recurrent decode / spec").
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
-                          VF* kvn, const ST* pf, int64_t pf_ld, int pf_phase, int pf_every) {
+                          VF* kvn, const ST* pf, int pf_phase, int pf_every) {
   constexpr int kLineElems = 64 / int(sizeof(ST));
   VF oa[NV], na[NV];
   for (int c = 0; c < NV; ++c) oa[c] = na[c] = vzero();
@@ -125,8 +125,8 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
   for (; k + 1 < K; k += 2) {
     if (pf != nullptr && ph == pf_phase) {  // see above
       for (int e = 0; e < NV * kLanes; e += kLineElems) {
-        __builtin_prefetch(pf + k * pf_ld + e, 0, 3);
-        __builtin_prefetch(pf + (k + 1) * pf_ld + e, 0, 3);
+        __builtin_prefetch(pf + k * d_ld + e, 0, 3);
+        __builtin_prefetch(pf + (k + 1) * d_ld + e, 0, 3);
       }
     }
     if (++ph == pf_every) ph = 0;
@@ -148,11 +148,10 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
 template <int NV, bool kFull, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
-                         const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int64_t pf_ld, int pf_phase,
-                         int pf_every) {
+                         const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every) {
 #define GDN_REC_PASS(kNext, kLoc, kNT) \
-  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, pf_ld, \
-                                        pf_phase, pf_every)
+  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, pf_phase, \
+                                        pf_every)
   if (kFull && nt) {
     if (next) {
       if (use_loc) GDN_REC_PASS(true, true, kFull);
@@ -196,13 +195,13 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     ST* dst = g.dst[t] + col;
     if (t == 0) {
       rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
-                              ncol, o, kv, pf, V, 0, g.n);
+                              ncol, o, kv, pf, 0, g.n);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
       const int64_t cont_ld = prev_loc ? kRecBlock : V;
       rec_pass_any<NV, kFull>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                              khn, ncol, o, kv, pf, V, t, g.n);
+                              khn, ncol, o, kv, pf, t, g.n);
     }
     for (int c = 0; c < NV; ++c) rec_st<kFull>(g.o[t] + col + c * kLanes, o[c], ncol);
     prev_loc = use_loc;
