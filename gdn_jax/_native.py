@@ -128,9 +128,9 @@ def batch_status(query_start_loc, state_indices, row_kind, num_accepted_tokens, 
 def step(x, a, b, A_log, dt_bias, weight, bias, conv_state, ssm_state, query_start_loc, state_indices, row_kind,
          has_initial_state, num_accepted, status, *, silu, layout, scale, eps, l2norm, allowed_kinds):
     """One serving step in one call (ffi/src/handlers/step.cc): the caller's batch ``status``
-    (int32[4]; nonzero: nothing runs, the output is zero), the step's own check, then conv +
-    gating + chunk for the prefill rows and conv update + recurrence for the decode / spec rows,
-    each writing its rows' tokens of one output. x [T, D]; state_indices [S, C].
+    (int32[4]; nonzero: nothing runs, the output is zero), the step's own check, then gating and
+    the conv fused with the chunk for the prefill rows and conv update + recurrence for the
+    decode / spec rows, each writing its rows' tokens of one output. x [T, D]; state_indices [S, C].
     -> (o [T, HV, V], conv_state, ssm_state, status int32[4])."""
     require_native()
     T = x.shape[0]
@@ -138,7 +138,7 @@ def step(x, a, b, A_log, dt_bias, weight, bias, conv_state, ssm_state, query_sta
     call = jax.ffi.ffi_call(
         TARGET_PREFIX + "step",
         (jax.ShapeDtypeStruct((T, HV, V), x.dtype), _sds(conv_state), _sds(ssm_state), _STATUS,
-         _sds(x), jax.ShapeDtypeStruct((2, T, HV), _f32)),    # the last two: scratch (y, g and beta)
+         _sds(x), jax.ShapeDtypeStruct((2, T, HV), _f32)),    # scratch: y (decode/spec rows' conv), g and beta
         input_output_aliases={7: 1, 8: 2},
         vmap_method="sequential",
     )

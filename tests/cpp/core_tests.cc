@@ -611,6 +611,76 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
   }
 }
 
+// The serving step's prefill (conv_chunk: the conv's outputs made per chunk and fed to the
+// chunk without a [T, D] result) gives the bits of conv_fwd into y followed by the chunk reading
+// q, k, v from y's rows, with the step's row filters (conv: prefill rows; chunk: prefill and
+// padding rows): the output, both pools, y untouched. Lengths {70, 0, 5, 64, 150, 1, 3}: several
+// chunks, empty, short, a decode-kind row (another kernel's: nothing of it written), padding;
+// fresh and continued sequences. `par`: serial, or real threads with a smaller head group.
+void test_conv_chunk(const KernelTable& kt, DType act, DType sdt, int W, bool ds, bool silu, const GdnCase& c,
+                     Parallel par, const std::string& par_tag, std::mt19937& rng) {
+  const int64_t H = c.H, HV = c.HV, K = c.K, V = c.V, N = 9, D = 2 * H * K + HV * V, L = W - 1;
+  const int64_t es = act == DType::f32 ? 4 : 2;
+  const std::vector<int32_t> lens = {70, 0, 5, 64, 150, 1, 3}, kind = {1, 1, 1, 1, 1, 2, 0};
+  const std::vector<int32_t> idx = {2, 0, 5, 6, 1, 3, -1};
+  const std::vector<uint8_t> hs = {1, 1, 0, 0, 1, 1, 0};
+  const int64_t S = int64_t(lens.size());
+  std::vector<int32_t> qsl(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) qsl[s + 1] = qsl[s] + lens[s];
+  const int64_t T = qsl[S] + 2;  // two tokens no row covers
+  Act x(T * D, rng), conv0(N * L * D, rng), wa(D * W, rng, 0.5), ba(D, rng, 0.5), ssm0(N * HV * K * V, rng, 0.1);
+  std::vector<float> g(T * HV), beta(T * HV);
+  std::uniform_real_distribution<float> ug(-0.3f, 0.f), ub(0.f, 1.f);
+  for (auto& v : g) v = ug(rng);
+  for (auto& v : beta) v = ub(rng);
+  auto bytes = [](const Act& a, DType t) {
+    const auto* p = static_cast<const uint8_t*>(a.ptr(t));
+    return std::vector<uint8_t>(p, p + a.f32.size() * (t == DType::f32 ? 4 : 2));
+  };
+  const std::vector<uint8_t> cpool0 = bytes(conv0, act), spool0 = bytes(ssm0, sdt);
+  ConvArgs f{};
+  f.act = act; f.x = x.ptr(act); f.weight = wa.ptr(DType::f32); f.bias = ba.ptr(DType::bf16);
+  f.weight_dtype = DType::f32; f.bias_dtype = DType::bf16; f.T = T; f.D = D; f.W = W; f.silu = silu;
+  f.N = N; f.L = L; f.slot_stride = L * D; f.time_stride = ds ? 1 : D; f.chan_stride = ds ? L : 1;
+  f.query_start_loc = qsl.data(); f.state_indices = idx.data();
+  f.has_initial_state = reinterpret_cast<const bool*>(hs.data()); f.S = S;
+  f.rows = RowFilter{kind.data(), 1u << 1};
+  ChunkArgs p{};
+  p.act = act; p.state = sdt; p.g = g.data(); p.beta = beta.data(); p.query_start_loc = qsl.data();
+  p.state_indices = idx.data(); p.has_initial_state = f.has_initial_state; p.T = T; p.S = S; p.N = N; p.H = H;
+  p.HV = HV; p.K = K; p.V = V; p.scale = float(1.0 / std::sqrt(double(K))); p.eps = 1e-6f; p.l2norm = true;
+  p.qk_ld = p.v_ld = D;
+  p.rows = RowFilter{kind.data(), (1u << 1) | 1u};
+  auto point = [&](std::vector<uint8_t>& y, std::vector<uint8_t>& o, std::vector<uint8_t>& cpool,
+                   std::vector<uint8_t>& spool) {
+    f.y = y.data(); f.conv_state = cpool.data();
+    p.q = y.data(); p.k = y.data() + H * K * es; p.v = y.data() + 2 * H * K * es;
+    p.o = o.data(); p.ssm_state = spool.data();
+  };
+  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
+                          (sdt == DType::f32 ? " state f32" : " state bf16") + " W=" + std::to_string(W) +
+                          (ds ? " DS" : " SD") + (silu ? "" : " no silu") + " HV" + std::to_string(HV) + "/H" +
+                          std::to_string(H) + " " + par_tag;
+  for (int chunk_size : {32, 64}) {
+    p.chunk_size = chunk_size;
+    std::vector<uint8_t> y1(T * D * es, 0xcd), o1(T * HV * V * es, 0xee), c1 = cpool0, s1 = spool0;
+    point(y1, o1, c1, s1);
+    kt.conv_fwd(f, par);
+    kt.chunk(p, par);
+    std::vector<uint8_t> y2(T * D * es, 0xcd), o2(T * HV * V * es, 0xee), c2 = cpool0, s2 = spool0;
+    point(y2, o2, c2, s2);
+    kt.conv_chunk(f, p, par);
+    bool y_untouched = true;
+    for (uint8_t b : y2) y_untouched &= b == 0xcd;
+    const int64_t dec = qsl[5] * HV * V * es;  // the decode row's token: untouched by both
+    const bool dec_untouched = o2[size_t(dec)] == 0xee && std::memcmp(o1.data() + dec, o2.data() + dec, HV * V * es) == 0;
+    check_true("conv_chunk = conv_fwd + chunk " + tag + " C=" + std::to_string(chunk_size),
+               o1 == o2 && c1 == c2 && s1 == s2 && y_untouched && dec_untouched,
+               std::string(o1 == o2 ? "" : "output ") + (c1 == c2 ? "" : "conv_state ") + (s1 == s2 ? "" : "ssm_state ") +
+                   (y_untouched ? "" : "y written ") + (dec_untouched ? "" : "decode row written"));
+  }
+}
+
 // The huge-page hint of large outputs: the range is the whole 2 MiB pages inside the buffer
 // (none below two of them), and on Linux the hint is accepted for an anonymous mapping.
 void test_huge_page_hint() {
@@ -1153,6 +1223,16 @@ int main() {
       GdnCase big;
       big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
       test_recurrent_and_chunk(kt, act, DType::f32, rng, big, false);
+      // The serving step's fused prefill: every width path (W = 5: the generic one), both
+      // layouts, a v range of more than 256 channels (HV 8 on one key head: two conv pieces),
+      // real threads with single-head items.
+      GdnCase wide;
+      wide.H = 1; wide.HV = 8;
+      ThreadedParallel tp{4};
+      for (DType sdt : {DType::f32, DType::bf16})
+        for (int W : {4, 2, 5}) test_conv_chunk(kt, act, sdt, W, W == 2, W != 5, GdnCase{}, Parallel{}, "serial", rng);
+      test_conv_chunk(kt, act, DType::f32, 3, false, true, wide, Parallel{}, "serial", rng);
+      test_conv_chunk(kt, act, DType::f32, 4, true, true, GdnCase{}, tp.par(), "4 threads", rng);
     }
     // Odd sizes (in not a multiple of the vector width, T and out not multiples of the tile),
     // then several t and o blocks (the threaded split).

@@ -150,6 +150,10 @@ struct KernelTable {
   void (*conv_update)(const ConvArgs&, const Parallel&) = nullptr;
   void (*recurrent)(const RecurrentArgs&, const Parallel&) = nullptr;
   void (*chunk)(const ChunkArgs&, const Parallel&) = nullptr;
+  // The serving step's prefill rows: conv_fwd (its state and row filter included) and chunk
+  // in one pass, the chunk's q, k, v (pointing into the rows of the conv's y) made per chunk
+  // from x instead of written to y; the bits of conv_fwd then chunk. y is not touched.
+  void (*conv_chunk)(const ConvArgs&, const ChunkArgs&, const Parallel&) = nullptr;
   // The chunk size chunk() uses for a sequence of `len` tokens (`forced`: ChunkArgs::chunk_size).
   int (*chunk_size_for)(int forced, int64_t len) = nullptr;
   void (*linear)(const LinearArgs&, const Parallel&) = nullptr;

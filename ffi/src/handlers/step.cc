@@ -1,6 +1,6 @@
 // gdn_jax_step: one serving step of a GDN layer (gdn_jax/paths.py) in one call. After the batch
-// check: prefill rows get the varlen conv, the gates and the chunked rule; decode and spec rows
-// the conv update and the recurrence with fused gating. Each kernel owns its rows (RowFilter)
+// check: prefill rows get the gates and the varlen conv fused with the chunked rule (conv_chunk);
+// decode and spec rows the conv update and the recurrence with fused gating. Each kernel owns its rows (RowFilter)
 // and writes only their tokens of the one output, so no masked outputs are summed and no
 // index array is masked in XLA. Design notes: ffi/README.md, "Serving steps: one call".
 #include <vector>
@@ -27,7 +27,8 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     return bad(op, "conv_state and ssm_state must be aliased to their results");
   if (y->element_type() != x.element_type() || y->element_count() != x.element_count())
     return bad(op, "the conv output y must be [T, D] like x");
-  // The chunk and the recurrence read q, k, v from the rows of y (the mixed form).
+  // The recurrence reads q, k, v from the rows of y (the mixed form); the chunk's pointers into
+  // y name the channels of q, k, v, which conv_chunk makes from x's rows without touching y.
   ffi::AnyBuffer& yb = *y;
   RecurrentArgs r;
   ChunkArgs c;
@@ -70,7 +71,6 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int32_t* acc = num_accepted.typed_data();
   if (s.ok()) s = check_step_batch(qsl.typed_data(), idx, C, kind, acc, S, r.T, r.N, allowed_kinds);
   if (!accept_batch(s, status, o)) return ffi::Error::Success();
-  advise_huge_pages(y->untyped_data(), y->size_bytes());
 
   std::vector<int32_t> col0(static_cast<size_t>(S));
   for (int64_t i = 0; i < S; ++i) col0[size_t(i)] = idx[i * C];
@@ -84,13 +84,6 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   cv.y = y->untyped_data();
   cv.query_start_loc = qsl.typed_data();
   cv.state_indices = col0.data();
-  if (pre) {
-    ConvArgs f = cv;
-    f.has_initial_state = has_initial_state.typed_data();
-    f.num_accepted = nullptr;
-    f.rows = RowFilter{kind, pre_bits};
-    kt.conv_fwd(f, par);
-  }
   if (rec) {
     ConvArgs u = cv;
     u.has_initial_state = nullptr;
@@ -114,7 +107,11 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     c.l2norm = l2norm != 0;
     c.chunk_size = forced_chunk_size();
     c.rows = RowFilter{kind, pre_bits | (1u << kRowPad)};
-    kt.chunk(c, par);
+    ConvArgs f = cv;
+    f.has_initial_state = has_initial_state.typed_data();
+    f.num_accepted = nullptr;
+    f.rows = RowFilter{kind, pre_bits};
+    kt.conv_chunk(f, c, par);  // the conv's outputs go straight into the chunk, not through y
   }
   if (rec) {
     r.a = a.untyped_data();

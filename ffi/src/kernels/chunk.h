@@ -186,39 +186,44 @@ struct ChunkBufs {
   }
 };
 
-// Shared part of a chunk of n <= 64 tokens [t0, t0 + n) for key head kh: q^, k^, k^T and
-// the raw scores. Also prefetches the rows of the next chunk (n_next tokens) of this key
-// head and of value heads [h0, h0 + gsz): rows 4-8 KiB apart, a stride the hardware
-// prefetcher does not follow; they arrive while this chunk computes.
+// Where a work item reads its q, k, v rows: row 0 of q and k at its key head, of v at its
+// first value head, rows qk_ld / v_ld elements apart (value head h0 + j at v + j * V).
+template <class TA>
+struct ChunkRows {
+  const TA *q, *k, *v;
+  int64_t qk_ld, v_ld;
+  ChunkRows at(int64_t t) const { return {q + t * qk_ld, k + t * qk_ld, v + t * v_ld, qk_ld, v_ld}; }
+};
+
+// Shared part of a chunk of n <= 64 tokens for key head kh, its rows at `rows`: q^, k^, k^T
+// and the raw scores. Also prefetches the n_next rows at `next` (the next chunk's q, k, v, or
+// the x rows its conv reads) and of o at o_next, for value heads [h0, h0 + gsz): rows 4-8 KiB
+// apart, a stride the hardware prefetcher does not follow; they arrive while this chunk
+// computes.
 template <int C, class TA>
-inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, int64_t t0, int n, int n_next, int64_t kh,
-                       int64_t h0, int64_t gsz) {
-  const int64_t HV = p.HV, K = p.K, V = p.V, qk_ld = qk_row_stride(p), v_ld = v_row_stride(p);
+inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> rows, int n, ChunkRows<TA> next,
+                       int n_next, const TA* o_next, int64_t gsz) {
+  const int64_t HV = p.HV, K = p.K, V = p.V;
   const int Ki = int(K);
-  const TA* q = static_cast<const TA*>(p.q);
-  const TA* k = static_cast<const TA*>(p.k);
-  const TA* v = static_cast<const TA*>(p.v);
-  const TA* o = static_cast<const TA*>(p.o);
   const int npad = (n + kLanes - 1) / kLanes * kLanes;
 
   for (int i = 0; i < n; ++i) {
     if (i < n_next) {
-      const int64_t tn = t0 + n + i;
-      const char* pq = reinterpret_cast<const char*>(q + tn * qk_ld + kh * K);
-      const char* pk = reinterpret_cast<const char*>(k + tn * qk_ld + kh * K);
+      const char* pq = reinterpret_cast<const char*>(next.q + i * next.qk_ld);
+      const char* pk = reinterpret_cast<const char*>(next.k + i * next.qk_ld);
       for (int64_t c = 0; c < K * int64_t(sizeof(TA)); c += 64) {
         __builtin_prefetch(pq + c, 0, 2);
         __builtin_prefetch(pk + c, 0, 2);
       }
-      const char* pv = reinterpret_cast<const char*>(v + tn * v_ld + h0 * V);
-      const char* po = reinterpret_cast<const char*>(o + (tn * HV + h0) * V);
+      const char* pv = reinterpret_cast<const char*>(next.v + i * next.v_ld);
+      const char* po = reinterpret_cast<const char*>(o_next + i * HV * V);
       for (int64_t c = 0; c < gsz * V * int64_t(sizeof(TA)); c += 64) {
         __builtin_prefetch(pv + c, 0, 2);
         __builtin_prefetch(po + c, 1, 2);
       }
     }
-    const TA* qr = q + (t0 + i) * qk_ld + kh * K;
-    const TA* kr = k + (t0 + i) * qk_ld + kh * K;
+    const TA* qr = rows.q + i * rows.qk_ld;
+    const TA* kr = rows.k + i * rows.qk_ld;
     float rq = p.scale, rk = 1.f;
     if (p.l2norm) {
       VF sq = vzero(), sk = vzero();
@@ -251,14 +256,14 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, int64_t t0, in
   gemm<float, TA>(n, npad, Ki, b.Kc, K, 1, kt, {}, nullptr, row_major(b.SK, C), kGemmTriCols);
 }
 
-// One chunk for value head h (after chunk_prep); S holds the head's state before the chunk
-// as panels (ignored and overwritten when zero_state) and the state after it on return.
+// One chunk of tokens [t0, t0 + n) for value head h (after chunk_prep), its v rows at v, v_ld
+// apart; S holds the head's state before the chunk as panels (ignored and overwritten when
+// zero_state) and the state after it on return.
 template <int C, class TA>
 inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int64_t t0, int n, int64_t h,
-                       bool zero_state) {
+                       const TA* v, int64_t v_ld, bool zero_state) {
   const int64_t HV = p.HV, K = p.K, V = p.V;
   const int Ki = int(K), Vi = int(V);
-  const TA* v = static_cast<const TA*>(p.v);
   TA* o = static_cast<TA*>(p.o);
   const int npad = (n + kLanes - 1) / kLanes * kLanes;
 
@@ -354,7 +359,7 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
 
   // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R.
   for (int i = 0; i < n; ++i) {
-    const TA* vr = v + (t0 + i) * v_row_stride(p) + h * V;
+    const TA* vr = v + i * v_ld;
     const VF bi = vset1(beta[i]);
     const VF ei = vset1(b.eg[i]);
     for (int c = 0; c < Vi; c += kLanes) {
@@ -395,13 +400,41 @@ inline int64_t chunk_group(const ChunkArgs& p, int threads) {
   return 1;
 }
 
-// One work item at chunk size C: the gsz value heads [h0, h0 + gsz) of sequence [bos, eos)
-// (slot >= 0), from the slot's state or from zero, back into the slot.
+// The serving step's prefill (conv_chunk below): q, k, v are the conv outputs of x's rows
+// (conv.h), made chunk by chunk into a buffer of the thread's instead of read from a [T, D]
+// result written in a pass of their own: the outputs are still in L1/L2 when the chunk reads
+// them. cv's x has the mixed qkv layout; q, k, v of head 0 start at channels q_off, k_off,
+// v_off of a row.
+template <class TA>
+struct ChunkConv {
+  const ConvArgs* cv;
+  ConvPart<TA> part;
+  int64_t q_off, k_off, v_off;
+};
+
+// A fused item's conv work: channel ranges of at most kConvChanBlock (the parameter block's
+// width), each to column `col` of the buffer rows.
+struct ConvPiece {
+  int64_t c0, c1, col;
+};
+constexpr int kMaxConvPieces = 16;  // 2 ranges of K <= 256, one of gsz * V <= 2048 (chunk_group)
+
+inline int conv_pieces(int64_t c0, int64_t n, int64_t col, ConvPiece* out, int count) {
+  for (int64_t c = 0; c < n; c += kConvChanBlock)
+    out[count++] = {c0 + c, c0 + (n - c < kConvChanBlock ? n : c + kConvChanBlock), col + c};
+  return count;
+}
+
+// One work item at chunk size C: the gsz value heads [h0, h0 + gsz) of sequence s (slot >= 0),
+// from the slot's state or from zero, back into the slot; q, k, v from p's rows, or made by
+// the conv when cf is set.
 template <int C, class TA, class TS>
-void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t bos, int64_t eos, int32_t slot,
-                int64_t h0, bool zero_state) {
+void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t s, int32_t slot, int64_t h0,
+                bool zero_state, const ChunkConv<TA>* cf) {
   const int64_t HV = p.HV, K = p.K, V = p.V, kh = h0 / (HV / p.H);
+  const int64_t bos = p.query_start_loc[s], eos = p.query_start_loc[s + 1];
   TS* pool = static_cast<TS*>(p.ssm_state);
+  const TA* o = static_cast<const TA*>(p.o);
   const ChunkBufs<C> b(scratch, K, V, gsz);
   if (!zero_state) {
     for (int64_t j = 0; j < gsz; ++j) {  // k-major [K][V] -> panels
@@ -411,11 +444,40 @@ void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t bos, in
         for (int64_t c = 0; c < V; c += kLanes) vstore(Sj + c * K + r * kLanes, vload(st + r * V + c));
     }
   }
+  // src: where the item's inputs live at token 0 (read, or prefetched a chunk ahead).
+  ChunkRows<TA> src{static_cast<const TA*>(p.q) + kh * K, static_cast<const TA*>(p.k) + kh * K,
+                    static_cast<const TA*>(p.v) + h0 * V, qk_row_stride(p), v_row_stride(p)};
+  ConvPiece pieces[kMaxConvPieces];
+  int npieces = 0;
+  const float* wt = nullptr;
+  TA* yb = nullptr;
+  const int64_t yld = 2 * K + gsz * V;  // buffer row: q, k, then the group's v
+  if (cf != nullptr) {
+    const ConvArgs& cv = *cf->cv;
+    const TA* x = static_cast<const TA*>(cv.x);
+    src = {x + cf->q_off + kh * K, x + cf->k_off + kh * K, x + cf->v_off + h0 * V, cv.D, cv.D};
+    npieces = conv_pieces(cf->q_off + kh * K, K, 0, pieces, npieces);
+    npieces = conv_pieces(cf->k_off + kh * K, K, K, pieces, npieces);
+    npieces = conv_pieces(cf->v_off + h0 * V, gsz * V, 2 * K, pieces, npieces);
+    const int64_t wfl = npieces * kConvParamFloats, yfl = (C * yld * int64_t(sizeof(TA)) + 63) / 64 * 16;
+    float* cs = thread_scratch<float, 3>(wfl + yfl);
+    for (int i = 0; i < npieces; ++i) cf->part.params(cv, pieces[i].c0, pieces[i].c1, cs + i * kConvParamFloats);
+    wt = cs;
+    yb = reinterpret_cast<TA*>(cs + wfl);
+  }
   for (int64_t t0 = bos; t0 < eos; t0 += C) {
     const int n = int(eos - t0 < C ? eos - t0 : C);
-    const int64_t rest = eos - t0 - n;
-    chunk_prep<C, TA>(p, b, t0, n, int(rest < C ? rest : C), kh, h0, gsz);
-    for (int64_t j = 0; j < gsz; ++j) chunk_head<C, TA>(p, b, b.S + j * K * V, t0, n, h0 + j, zero_state);
+    const int64_t rest = eos - t0 - n, tn = rest > 0 ? t0 + n : t0;
+    ChunkRows<TA> rows = src.at(t0);
+    if (cf != nullptr) {
+      for (int i = 0; i < npieces; ++i)
+        cf->part.rows(*cf->cv, wt + i * kConvParamFloats, s, t0, t0 + n, pieces[i].c0, pieces[i].c1,
+                      yb + pieces[i].col, yld);
+      rows = {yb, yb + K, yb + 2 * K, yld, yld};
+    }
+    chunk_prep<C, TA>(p, b, rows, n, src.at(tn), int(rest < C ? rest : C), o + (tn * HV + h0) * V, gsz);
+    for (int64_t j = 0; j < gsz; ++j)
+      chunk_head<C, TA>(p, b, b.S + j * K * V, t0, n, h0 + j, rows.v + j * V, rows.v_ld, zero_state);
     zero_state = false;
   }
   for (int64_t j = 0; j < gsz; ++j) {
@@ -442,7 +504,7 @@ inline int chunk_size_for(int forced, int64_t len) {
 }
 
 template <class TA, class TS>
-void chunk_impl(const ChunkArgs& p, const Parallel& par) {
+void chunk_impl(const ChunkArgs& p, const Parallel& par, const ChunkConv<TA>* cf) {
   const int64_t HV = p.HV, K = p.K, V = p.V, S = p.S;
   const int32_t* qsl = p.query_start_loc;
   TA* o = static_cast<TA*>(p.o);
@@ -467,19 +529,44 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par) {
       }
       const bool zero_state = !p.has_initial_state[s];
       if (chunk_size_for(p.chunk_size, eos - bos) == 32)
-        chunk_item<32, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
+        chunk_item<32, TA, TS>(p, scratch, gsz, s, slot, h0, zero_state, cf);
       else
-        chunk_item<64, TA, TS>(p, scratch, gsz, bos, eos, slot, h0, zero_state);
+        chunk_item<64, TA, TS>(p, scratch, gsz, s, slot, h0, zero_state, cf);
     }
   });
+  // The conv's slot rows, once every item has read the old ones.
+  if (cf != nullptr) conv_fwd_states<TA>(*cf->cv, par);
 }
 
 inline void chunk(const ChunkArgs& p, const Parallel& par) {
   if (p.act == DType::bf16) {
-    if (p.state == DType::bf16) chunk_impl<bf16, bf16>(p, par);
-    else chunk_impl<bf16, float>(p, par);
+    if (p.state == DType::bf16) chunk_impl<bf16, bf16>(p, par, nullptr);
+    else chunk_impl<bf16, float>(p, par, nullptr);
   } else {
-    if (p.state == DType::bf16) chunk_impl<float, bf16>(p, par);
-    else chunk_impl<float, float>(p, par);
+    if (p.state == DType::bf16) chunk_impl<float, bf16>(p, par, nullptr);
+    else chunk_impl<float, float>(p, par, nullptr);
+  }
+}
+
+// The serving step's prefill rows in one pass: the conv (cv, its rows filter and state
+// included) and the chunk (p) whose q, k, v are cv's outputs, made per chunk (ChunkConv)
+// rather than written to cv.y: bit for bit conv_fwd followed by chunk reading y, but
+// cv.y is neither written nor read. p.q, p.k, p.v point into the rows of cv.y (the mixed
+// form, rows cv.D apart): their offsets from cv.y are the channels of q, k, v.
+template <class TA, class TS>
+void conv_chunk_impl(const ConvArgs& cv, const ChunkArgs& p, const Parallel& par) {
+  const TA* y = static_cast<const TA*>(cv.y);
+  const ChunkConv<TA> cf{&cv, conv_part<TA>(cv), static_cast<const TA*>(p.q) - y, static_cast<const TA*>(p.k) - y,
+                         static_cast<const TA*>(p.v) - y};
+  chunk_impl<TA, TS>(p, par, &cf);
+}
+
+inline void conv_chunk(const ConvArgs& cv, const ChunkArgs& p, const Parallel& par) {
+  if (p.act == DType::bf16) {
+    if (p.state == DType::bf16) conv_chunk_impl<bf16, bf16>(cv, p, par);
+    else conv_chunk_impl<bf16, float>(cv, p, par);
+  } else {
+    if (p.state == DType::bf16) conv_chunk_impl<float, bf16>(cv, p, par);
+    else conv_chunk_impl<float, float>(cv, p, par);
   }
 }

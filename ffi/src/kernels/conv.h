@@ -112,19 +112,20 @@ inline void conv_zero_rows(T* y, int64_t D, int64_t t0, int64_t t1, int64_t c0, 
 }
 
 // The hot loop: `count` tokens of one 16-channel vector, W <= 4. e_k = x~[t-k] for the first
-// token t (unused ones zero); tap i is at wtc[i * kConvChanBlock]. The window is kept in
+// token t (unused ones zero); tap i is at wtc[i * kConvChanBlock]; x rows are D apart, y rows
+// y_ld. The window is kept in
 // named variables rather than an array: GCC 12 spills a rotated array of VF through the
 // stack and general registers (and ICEs in SRA on some shapes of it).
 template <class T, int W, bool SILU, bool FULL>
 inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp, T* yp, int64_t D,
-                        int64_t count, int n) {
+                        int64_t y_ld, int64_t count, int n) {
   static_assert(W >= 1 && W <= 4, "conv_tokens handles W <= 4");
   const VF u0 = vload(wtc + (W - 1) * kConvChanBlock);  // u_k multiplies x~[t-k]
   VF u1 = vzero(), u2 = vzero(), u3 = vzero();
   if constexpr (W >= 2) u1 = vload(wtc + (W - 2) * kConvChanBlock);
   if constexpr (W >= 3) u2 = vload(wtc + (W - 3) * kConvChanBlock);
   if constexpr (W >= 4) u3 = vload(wtc + (W - 4) * kConvChanBlock);
-  for (int64_t t = 0; t < count; ++t, xp += D, yp += D) {
+  for (int64_t t = 0; t < count; ++t, xp += D, yp += y_ld) {
     const VF xv = FULL ? vload(xp) : vload_n(xp, n);
     VF acc = b;  // bias, then taps 0 .. W-1 (oldest input first)
     if constexpr (W >= 4) acc = vfma(u3, e3, acc);
@@ -152,16 +153,62 @@ inline VF conv_fwd_xt(const ConvArgs& p, const T* x, const T* st, int64_t seq_st
   return conv_load_row(st + k * p.time_stride + c * p.chan_stride, p.chan_stride, n);
 }
 
+// Outputs of tokens [t, e) of sequence s (a real slot) x channels [c0, c1) (at most
+// kConvChanBlock), from the parameter block wt of conv_params_t(c0, c1); output (t, c0) at
+// yr, rows y_ld apart. Swept in runs of kConvRun tokens; within a run the channel vectors go
+// left to right (kConvRun contiguous row streams) and each slides its register window down
+// the run, seeded from the x rows above (or, at the sequence start, from the prior).
+template <class T, int W, bool SILU>
+GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, int64_t t, int64_t e, int64_t c0,
+                                int64_t c1, T* yr, int64_t y_ld) {
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t D = p.D, start = p.query_start_loc[s];
+  const T* st = static_cast<const T*>(p.conv_state) + p.state_indices[s] * p.slot_stride;
+  const bool init = p.has_initial_state[s];
+  const float* bt = wt + W * kConvChanBlock;
+  for (int64_t u = t; u < e; u += kConvRun, yr += kConvRun * y_ld) {
+    const int64_t count = e - u < kConvRun ? e - u : kConvRun;
+    const T* xr = x + u * D;
+    if (u - (W - 1) >= start) {  // window inside the sequence: straight from the x rows above
+      int64_t c = c0;
+      for (; c + kLanes <= c1; c += kLanes) {
+        const T* xp = xr + c;
+        VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+        if constexpr (W >= 2) e1 = vload(xp - D);
+        if constexpr (W >= 3) e2 = vload(xp - 2 * D);
+        if constexpr (W >= 4) e3 = vload(xp - 3 * D);
+        conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + (c - c0), D, y_ld,
+                                      count, kLanes);
+      }
+      if (c < c1) {
+        const int n = int(c1 - c);
+        const T* xp = xr + c;
+        VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+        if constexpr (W >= 2) e1 = vload_n(xp - D, n);
+        if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
+        if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
+        conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + (c - c0), D, y_ld,
+                                       count, n);
+      }
+    } else {  // the window reaches into the prior (state rows or zeros)
+      for (int64_t c = c0; c < c1; c += kLanes) {
+        const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+        VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+        if constexpr (W >= 2) e1 = conv_fwd_xt(p, x, st, start, init, u - 1, c, n);
+        if constexpr (W >= 3) e2 = conv_fwd_xt(p, x, st, start, init, u - 2, c, n);
+        if constexpr (W >= 4) e3 = conv_fwd_xt(p, x, st, start, init, u - 3, c, n);
+        conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xr + c, yr + (c - c0), D, y_ld,
+                                       count, n);
+      }
+    }
+  }
+}
+
 // One prefill item: output tokens [t0, t1) x channels [c0, c1). Reads x and the old state
-// of the sequences it overlaps; writes only y. Each sequence's part is swept in runs of
-// kConvRun tokens; within a run the channel vectors go left to right (kConvRun contiguous
-// row streams) and each slides its register window down the run, seeded from the x rows
-// above (or, at a sequence start, from the prior).
+// of the sequences it overlaps; writes only y.
 template <class T, int W, bool SILU>
 GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
-  const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const T* state = static_cast<const T*>(p.conv_state);
   const int32_t* qsl = p.query_start_loc;
   const int64_t D = p.D, total = qsl[p.S];
   const int64_t tz = t0 > total ? t0 : (t1 < total ? t1 : total);  // [tz, t1): no row covers them
@@ -169,7 +216,6 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
   if (t0 >= tz) return;
   alignas(64) float wt[conv_param_rows(W) * kConvChanBlock];
   conv_params_t<W>(p, c0, c1, wt);
-  const float* bt = wt + W * kConvChanBlock;
   // First sequence holding token t0: qsl[s] <= t0 < qsl[s+1].
   int64_t lo = 0, hi = p.S;  // invariant: qsl[lo] <= t0 < qsl[hi]
   while (hi - lo > 1) {
@@ -180,87 +226,50 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
   int64_t s = lo;
   for (int64_t t = t0; t < tz;) {
     while (qsl[s + 1] <= t) ++s;
-    const int64_t e = qsl[s + 1] < tz ? qsl[s + 1] : tz, start = qsl[s];
-    const int32_t slot = p.state_indices[s];
+    const int64_t e = qsl[s + 1] < tz ? qsl[s + 1] : tz;
     if (!p.rows.owns(s)) {  // another kernel's tokens
       t = e;
       continue;
     }
-    if (slot < 0) {
-      conv_zero_rows(y, D, t, e, c0, c1);
-      t = e;
-      continue;
-    }
-    const T* st = state + slot * p.slot_stride;
-    const bool init = p.has_initial_state[s];
-    for (int64_t u = t; u < e; u += kConvRun) {
-      const int64_t count = e - u < kConvRun ? e - u : kConvRun;
-      const T* xr = x + u * D;
-      T* yr = y + u * D;
-      if (u - (W - 1) >= start) {  // window inside the sequence: straight from the x rows above
-        int64_t c = c0;
-        for (; c + kLanes <= c1; c += kLanes) {
-          const T* xp = xr + c;
-          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
-          if constexpr (W >= 2) e1 = vload(xp - D);
-          if constexpr (W >= 3) e2 = vload(xp - 2 * D);
-          if constexpr (W >= 4) e3 = vload(xp - 3 * D);
-          conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + c, D, count, kLanes);
-        }
-        if (c < c1) {
-          const int n = int(c1 - c);
-          const T* xp = xr + c;
-          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
-          if constexpr (W >= 2) e1 = vload_n(xp - D, n);
-          if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
-          if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
-          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + c, D, count, n);
-        }
-      } else {  // the window reaches into the prior (state rows or zeros)
-        for (int64_t c = c0; c < c1; c += kLanes) {
-          const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
-          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
-          if constexpr (W >= 2) e1 = conv_fwd_xt(p, x, st, start, init, u - 1, c, n);
-          if constexpr (W >= 3) e2 = conv_fwd_xt(p, x, st, start, init, u - 2, c, n);
-          if constexpr (W >= 4) e3 = conv_fwd_xt(p, x, st, start, init, u - 3, c, n);
-          conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xr + c, yr + c, D, count, n);
-        }
-      }
-    }
+    if (p.state_indices[s] < 0) conv_zero_rows(y, D, t, e, c0, c1);
+    else conv_fwd_part<T, W, SILU>(p, wt, s, t, e, c0, c1, y + t * D + c0, D);
     t = e;
   }
 }
 
-// Any W (slow; the public ops only allow 2..4): taps and x~ fetched per use.
+// Any W (slow; the public ops only allow 2..4): taps and x~ fetched per use; conv_fwd_part's
+// contract (wt unused).
+template <class T>
+void conv_fwd_part_any(const ConvArgs& p, const float* /*wt*/, int64_t s, int64_t a, int64_t e, int64_t c0,
+                       int64_t c1, T* yr, int64_t y_ld) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* st = static_cast<const T*>(p.conv_state) + p.state_indices[s] * p.slot_stride;
+  const int64_t W = p.W, start = p.query_start_loc[s];
+  const bool init = p.has_initial_state[s];
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+    const VF b = conv_bias(p, c, n);
+    for (int64_t t = a; t < e; ++t) {
+      VF acc = b;
+      for (int64_t i = 0; i < W; ++i)
+        acc = vfma(conv_tap(p, c, n, i), conv_fwd_xt(p, x, st, start, init, t - (W - 1) + i, c, n), acc);
+      vstore_n(yr + (t - a) * y_ld + (c - c0), conv_act_rt<T>(acc, p.silu), n);
+    }
+  }
+}
+
 template <class T>
 void conv_fwd_block_any(const ConvArgs& p, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
-  const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const T* state = static_cast<const T*>(p.conv_state);
   const int32_t* qsl = p.query_start_loc;
-  const int64_t D = p.D, W = p.W, total = qsl[p.S];
+  const int64_t D = p.D, total = qsl[p.S];
   const int64_t tz = t0 > total ? t0 : (t1 < total ? t1 : total);
   conv_zero_rows(y, D, tz, t1, c0, c1);
   for (int64_t s = 0; s < p.S; ++s) {
     const int64_t a = qsl[s] > t0 ? qsl[s] : t0, e = qsl[s + 1] < tz ? qsl[s + 1] : tz;
     if (a >= e || !p.rows.owns(s)) continue;
-    const int32_t slot = p.state_indices[s];
-    if (slot < 0) {
-      conv_zero_rows(y, D, a, e, c0, c1);
-      continue;
-    }
-    const T* st = state + slot * p.slot_stride;
-    for (int64_t c = c0; c < c1; c += kLanes) {
-      const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
-      const VF b = conv_bias(p, c, n);
-      for (int64_t t = a; t < e; ++t) {
-        VF acc = b;
-        for (int64_t i = 0; i < W; ++i)
-          acc = vfma(conv_tap(p, c, n, i),
-                     conv_fwd_xt(p, x, st, qsl[s], p.has_initial_state[s], t - (W - 1) + i, c, n), acc);
-        vstore_n(y + t * D + c, conv_act_rt<T>(acc, p.silu), n);
-      }
-    }
+    if (p.state_indices[s] < 0) conv_zero_rows(y, D, a, e, c0, c1);
+    else conv_fwd_part_any<T>(p, nullptr, s, a, e, c0, c1, y + a * D + c0, D);
   }
 }
 
@@ -338,6 +347,40 @@ inline void conv_by_width(const ConvArgs& p, Fixed&& fixed, Any&& any) {
   }
 }
 
+// The slot rows of every prefill sequence (conv_fwd_state), in parallel; called once every
+// output that reads the old rows is done.
+template <class T>
+void conv_fwd_states(const ConvArgs& p, const Parallel& par) {
+  if (p.W <= 1) return;
+  conv_grid(p, par, p.S, 1, [](const ConvArgs& q, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+    for (int64_t s = s0; s < s1; ++s) conv_fwd_state<T>(q, s, c0, c1);
+  });
+}
+
+// The prefill conv as parts, for a kernel that consumes the outputs as it makes them (the
+// serving step's fused prefill, chunk.h): `params` fills the parameter block of channels
+// [c0, c1) (at most kConvChanBlock; kConvParamFloats floats), `rows` is conv_fwd_part for
+// this call's width and activation. Chosen once per call; the bits are conv_fwd's.
+constexpr int64_t kConvParamFloats = conv_param_rows(4) * kConvChanBlock;
+template <class T>
+struct ConvPart {
+  void (*params)(const ConvArgs& p, int64_t c0, int64_t c1, float* wt);
+  void (*rows)(const ConvArgs& p, const float* wt, int64_t s, int64_t t, int64_t e, int64_t c0, int64_t c1, T* yr,
+               int64_t y_ld);
+};
+template <class T>
+ConvPart<T> conv_part(const ConvArgs& p) {
+  ConvPart<T> r{[](const ConvArgs&, int64_t, int64_t, float*) {}, conv_fwd_part_any<T>};
+  conv_by_width(
+      p,
+      [&](auto w, auto silu) {
+        r.params = conv_params_t<decltype(w)::value>;
+        r.rows = conv_fwd_part<T, decltype(w)::value, decltype(silu)::value>;
+      },
+      [] {});
+  return r;
+}
+
 template <class T>
 void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
   auto outputs = [&](auto block) { conv_grid(p, par, p.T, kConvTokBlock, block); };
@@ -345,10 +388,7 @@ void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
       p, [&](auto w, auto silu) { outputs(conv_fwd_block<T, decltype(w)::value, decltype(silu)::value>); },
       [&] { outputs(conv_fwd_block_any<T>); });
   // Second pass: every output that reads a slot's old rows is done before any slot is written.
-  if (p.W <= 1) return;
-  conv_grid(p, par, p.S, 1, [](const ConvArgs& q, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
-    for (int64_t s = s0; s < s1; ++s) conv_fwd_state<T>(q, s, c0, c1);
-  });
+  conv_fwd_states<T>(p, par);
 }
 
 inline void conv_fwd(const ConvArgs& p, const Parallel& par) {
@@ -389,8 +429,8 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
       if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
       if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
       const T* xp = x + start * D + c;
-      if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, q, n);
-      else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, q, n);
+      if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, D, q, n);
+      else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, D, q, n);
       // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
       if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
         for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
