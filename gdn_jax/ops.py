@@ -319,12 +319,18 @@ def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activati
 
 
 NATIVE_MAX_HEAD_DIM = 256
+CHUNK_HEAD_DIM_MULTIPLE = 16  # the chunk kernel's panels and row vectors: 16 f32 lanes
 
 
-def _check_native_head_dims(K, V):
-    if K > NATIVE_MAX_HEAD_DIM or V > NATIVE_MAX_HEAD_DIM:
-        raise ValueError(f"the native kernels support head dims K, V up to {NATIVE_MAX_HEAD_DIM}, got K={K}, V={V} "
-                         "(impl='reference' has no limit)")
+def _check_native_head_dims(K, V, *, chunked=False):
+    """Head dims the native kernels take: up to 256; multiples of 16 for the chunked prefill
+    (and so for the serving steps, which run it)."""
+    m = CHUNK_HEAD_DIM_MULTIPLE if chunked else 1
+    for name, d in (("K", K), ("V", V)):
+        if d % m or not m <= d <= NATIVE_MAX_HEAD_DIM:
+            what = f"multiples of {m} in [{m}, {NATIVE_MAX_HEAD_DIM}]" if chunked else f"up to {NATIVE_MAX_HEAD_DIM}"
+            raise ValueError(f"the native {'chunked prefill' if chunked else 'kernels'} supports head dims K, V "
+                             f"{what}, got {name}={d} (K={K}, V={V}; impl='reference' has no limit)")
 
 
 def _scale(scale, K):
@@ -365,7 +371,7 @@ def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_sta
     C.check_bool("has_initial_state", has_initial_state, (S,), "[S]")
     sc = _scale(scale, K)
     if resolve_impl(impl) == "native":
-        _check_native_head_dims(K, V)
+        _check_native_head_dims(K, V, chunked=True)
         return _native.chunk(*_native_qkv(q, k, v, _mixed_qkv), g, beta, ssm_state, query_start_loc, state_indices,
                              has_initial_state, scale=sc, eps=l2norm_eps, l2norm=use_qk_l2norm)
     status = C.status_slots_jnp(query_start_loc, state_indices, T, N)

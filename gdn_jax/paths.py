@@ -169,7 +169,7 @@ def _run_native(config: GDNConfig, kind: str, x, b, a, params: GDNParams, cache:
     """The native step: one call (ffi/src/handlers/step.cc) that runs nothing on a nonzero
     ``status``, else checks the batch itself and runs the kernels of the step's row kinds,
     each writing its rows' tokens of the one output: (out [T, HV, V], cache, status)."""
-    ops._check_native_head_dims(config.K, config.V)
+    ops._check_native_head_dims(config.K, config.V, chunked=True)
     out, conv, ssm, status = _native.step(
         x, a, b, params.A_log, params.dt_bias, params.conv_weight, params.conv_bias, cache.conv_state,
         cache.ssm_state, batch.query_start_loc, batch.state_indices, batch.row_kind, batch.has_initial_state,

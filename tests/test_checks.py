@@ -65,6 +65,43 @@ def test_unsupported_dtype_named():
                                  A_log=jnp.zeros(HV), dt_bias=jnp.zeros(HV))
 
 
+@pytest.mark.parametrize("K,V", [(20, 16), (16, 24), (8, 16)])
+def test_chunk_head_dims_must_be_multiples_of_16(K, V):
+    """Head dims the chunk kernel's 16-lane steps do not cover raise naming the dim (it had
+    written past its rows at K = 20), from the op and, for a caller of the raw target, from the
+    handler before the kernel runs; the reference path and the recurrence take them."""
+    from gdn_jax import _native
+    T = 3
+    q, k, v = jnp.ones((T, H, K)), jnp.ones((T, H, K)), jnp.ones((T, HV, V))
+    g, beta = jnp.zeros((T, HV)), jnp.full((T, HV), 0.5)
+    chunk_args = dict(g=g, beta=beta, ssm_state=jnp.zeros((4, HV, K, V)), query_start_loc=jnp.array([0, T], jnp.int32),
+                      state_indices=jnp.array([0], jnp.int32), has_initial_state=jnp.array([False]))
+    name, bad = ("K", K) if K % 16 else ("V", V)
+    with pytest.raises(ValueError, match=rf"multiples of 16 in \[16, 256\], got {name}={bad} "):
+        gdn_jax.chunk_gated_delta_rule(q, k, v, **chunk_args, impl="native")
+    o, _ = gdn_jax.chunk_gated_delta_rule(q, k, v, **chunk_args, impl="reference")
+    assert o.shape == (T, HV, V)
+    o, _ = gdn_jax.fused_sigmoid_gating_delta_rule_update(
+        q, k, v, **_gates(T), ssm_state=jnp.zeros((4, HV, K, V)), state_indices=jnp.arange(T, dtype=jnp.int32),
+        impl="native")
+    assert o.shape == (T, HV, V)
+    with pytest.raises(Exception, match=rf"must be multiples of 16 in \[16, 256\] for the chunked prefill, "
+                                        rf"got K={K}, V={V}"):
+        jax.block_until_ready(_native.chunk(
+            q, k, v, g, beta, chunk_args["ssm_state"], chunk_args["query_start_loc"], chunk_args["state_indices"],
+            chunk_args["has_initial_state"], scale=0.25, eps=1e-6, l2norm=True))
+
+
+@pytest.mark.parametrize("K,V", [(272, 16), (16, 512)])
+def test_native_head_dims_at_most_256(K, V):
+    q, k, v = jnp.ones((2, H, K)), jnp.ones((2, H, K)), jnp.ones((2, HV, V))
+    name, bad = ("K", K) if K > 256 else ("V", V)
+    with pytest.raises(ValueError, match=rf"head dims K, V up to 256, got {name}={bad} "):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update(
+            q, k, v, **_gates(2), ssm_state=jnp.zeros((4, HV, K, V)), state_indices=jnp.arange(2, dtype=jnp.int32),
+            impl="native")
+
+
 def test_conv_layout_and_shapes_named():
     x = jnp.zeros((5, D))
     w = jnp.zeros((D, W))

@@ -13,6 +13,7 @@ static ffi::Error ChunkImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   const char* op = "chunk_gated_delta_rule";
   ChunkArgs p;
   if (auto e = qkv_state_shapes(op, q, k, v, ssm_state, p); e.failure()) return e;
+  if (auto e = chunk_head_dims(op, p.K, p.V); e.failure()) return e;
   if (ssm_state_out->untyped_data() != ssm_state.untyped_data()) return bad(op, "ssm_state is not aliased to its result");
   if (g.element_count() != size_t(p.T * p.HV) || beta.element_count() != size_t(p.T * p.HV))
     return bad(op, "g and beta must be [T, HV] float32");

@@ -111,9 +111,19 @@ ffi::Error qkv_state_shapes(const char* op, ffi::AnyBuffer& q, ffi::AnyBuffer& k
   if (sd[1] != p.HV || sd[2] != p.K || sd[3] != p.V)
     return bad(op, "ssm_state must be [N, HV, K, V] = [N, " + std::to_string(p.HV) + ", " + std::to_string(p.K) +
                        ", " + std::to_string(p.V) + "], got " + dims_str(sd));
+  if (p.K < 1 || p.K > 256 || p.V < 1 || p.V > 256)
+    return bad(op, "head dims K and V must be in [1, 256], got K=" + std::to_string(p.K) + ", V=" + std::to_string(p.V));
   p.N = sd[0];
   p.ssm_state = ssm_state.untyped_data();
   return ffi::Error::Success();
+}
+
+// The chunked prefill steps through K and V 16 lanes at a time (panels, row vectors): any other
+// head dim would read and write past its rows. (The recurrence takes any K, V <= 256.)
+inline ffi::Error chunk_head_dims(const char* op, int64_t K, int64_t V) {
+  if (K % 16 == 0 && V % 16 == 0) return ffi::Error::Success();
+  return bad(op, "head dims K and V must be multiples of 16 in [16, 256] for the chunked prefill, got K=" +
+                     std::to_string(K) + ", V=" + std::to_string(V));
 }
 
 // Fills the shape part of ConvArgs shared by both ops; layout 0 = SD [N, L, D], 1 = DS [N, D, L].

@@ -17,8 +17,6 @@ static ffi::Error RecurrentImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   RecurrentArgs p;
   if (auto e = qkv_state_shapes(op, q, k, v, ssm_state, p); e.failure()) return e;
   if (ssm_state_out->untyped_data() != ssm_state.untyped_data()) return bad(op, "ssm_state is not aliased to its result");
-  if (p.K < 1 || p.K > 256 || p.V < 1 || p.V > 256)
-    return bad(op, "head dims K and V must be in [1, 256], got K=" + std::to_string(p.K) + ", V=" + std::to_string(p.V));
   if (a.element_type() != q.element_type() || b.element_type() != q.element_type() ||
       a.element_count() != size_t(p.T * p.HV) || b.element_count() != size_t(p.T * p.HV))
     return bad(op, "a and b must be [T, HV] in the dtype of q");

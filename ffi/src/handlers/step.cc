@@ -34,9 +34,8 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   ChunkArgs c;
   if (auto e = qkv_state_shapes(op, yb, yb, yb, ssm_state, r); e.failure()) return e;
   if (auto e = qkv_state_shapes(op, yb, yb, yb, ssm_state, c); e.failure()) return e;
+  if (auto e = chunk_head_dims(op, c.K, c.V); e.failure()) return e;
   if (r.N != cv.N) return bad(op, "conv_state and ssm_state must have the same number of slots");
-  if (r.K < 1 || r.K > 256 || r.V < 1 || r.V > 256)
-    return bad(op, "head dims K and V must be in [1, 256], got K=" + std::to_string(r.K) + ", V=" + std::to_string(r.V));
   if (a.element_type() != x.element_type() || b.element_type() != x.element_type() ||
       a.element_count() != size_t(r.T * r.HV) || b.element_count() != size_t(r.T * r.HV))
     return bad(op, "a and b must be [T, HV] in the dtype of x");
