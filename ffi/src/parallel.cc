@@ -1,5 +1,5 @@
 // Caller-helps parallel-for: the work is cut into ranges behind an atomic counter; one
-// helper task per pool thread is scheduled and the caller drains ranges too, then waits
+// helper task per pool thread but one is scheduled and the caller drains ranges too, then waits
 // only for ranges already claimed. A helper that starts late finds nothing to do, so the
 // caller never waits on a task that has not started (safe when the handler itself runs on
 // a pool thread, or the pool has one thread).
@@ -79,7 +79,10 @@ void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ct
   job->n = n;
   job->step = (n + num_ranges - 1) / num_ranges;
   job->num_ranges = (n + job->step - 1) / job->step;
-  const int64_t helpers = std::min<int64_t>(threads, job->num_ranges - 1);
+  // The caller works too, so threads - 1 helpers make as many workers as the pool has threads.
+  // One more (as before 2026-12-01) put three threads on a 2-core host: the third waited ~0.6 ms
+  // for a core (0.03 ms without it) and shared one with another worker (ffi/README.md, "Threads").
+  const int64_t helpers = std::min<int64_t>(threads - 1, job->num_ranges - 1);
   const int64_t t_sched = now_ns();
   for (int64_t i = 0; i < helpers; ++i)
     pool->Schedule([job, t_sched] {
