@@ -1,8 +1,9 @@
 // gdn_jax_step: one serving step of a GDN layer (gdn_jax/paths.py) in one call. After the batch
 // check: prefill rows get the gates and the varlen conv fused with the chunked rule (conv_chunk);
-// decode and spec rows the conv update and the recurrence with fused gating. Each kernel owns its rows (RowFilter)
-// and writes only their tokens of the one output, so no masked outputs are summed and no
-// index array is masked in XLA. Design notes: ffi/README.md, "Serving steps: one call".
+// decode and spec rows the conv update and the recurrence with fused gating. Each kernel owns
+// its rows (RowFilter) and writes only their tokens of the one output, so no masked outputs are
+// summed and no index array is masked in XLA. Design notes: ffi/README.md, "Serving steps: one
+// call".
 #include <vector>
 
 #include "handlers/common.h"

@@ -113,9 +113,8 @@ inline void conv_zero_rows(T* y, int64_t D, int64_t t0, int64_t t1, int64_t c0, 
 
 // The hot loop: `count` tokens of one 16-channel vector, W <= 4. e_k = x~[t-k] for the first
 // token t (unused ones zero); tap i is at wtc[i * kConvChanBlock]; x rows are D apart, y rows
-// y_ld. The window is kept in
-// named variables rather than an array: GCC 12 spills a rotated array of VF through the
-// stack and general registers (and ICEs in SRA on some shapes of it).
+// y_ld. The window is kept in named variables rather than an array: GCC 12 spills a rotated
+// array of VF through the stack and general registers (and ICEs in SRA on some shapes of it).
 template <class T, int W, bool SILU, bool FULL>
 inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp, T* yp, int64_t D,
                         int64_t y_ld, int64_t count, int n) {
