@@ -614,16 +614,17 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
 // The serving step's prefill (conv_chunk: the conv's outputs made per chunk and fed to the
 // chunk without a [T, D] result) gives the bits of conv_fwd into y followed by the chunk reading
 // q, k, v from y's rows, with the step's row filters (conv: prefill rows; chunk: prefill and
-// padding rows): the output, both pools, y untouched. Lengths {70, 0, 5, 64, 150, 1, 3}: several
-// chunks, empty, short, a decode-kind row (another kernel's: nothing of it written), padding;
-// fresh and continued sequences. `par`: serial, or real threads with a smaller head group.
+// padding rows): the output, both pools, y untouched. Lengths {40, 0, 5, 70, 1, 3}: several
+// chunks at either size, empty, short, a decode-kind row (another kernel's: nothing of it
+// written), padding; fresh and continued sequences. `par`: serial, or real threads with a
+// smaller head group. (Small on purpose: it runs on the slow ISAs and under qemu in CI.)
 void test_conv_chunk(const KernelTable& kt, DType act, DType sdt, int W, bool ds, bool silu, const GdnCase& c,
                      Parallel par, const std::string& par_tag, std::mt19937& rng) {
   const int64_t H = c.H, HV = c.HV, K = c.K, V = c.V, N = 9, D = 2 * H * K + HV * V, L = W - 1;
   const int64_t es = act == DType::f32 ? 4 : 2;
-  const std::vector<int32_t> lens = {70, 0, 5, 64, 150, 1, 3}, kind = {1, 1, 1, 1, 1, 2, 0};
-  const std::vector<int32_t> idx = {2, 0, 5, 6, 1, 3, -1};
-  const std::vector<uint8_t> hs = {1, 1, 0, 0, 1, 1, 0};
+  const std::vector<int32_t> lens = {40, 0, 5, 70, 1, 3}, kind = {1, 1, 1, 1, 2, 0};
+  const std::vector<int32_t> idx = {2, 0, 5, 1, 3, -1};
+  const std::vector<uint8_t> hs = {1, 1, 0, 1, 1, 0};
   const int64_t S = int64_t(lens.size());
   std::vector<int32_t> qsl(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) qsl[s + 1] = qsl[s] + lens[s];
@@ -673,7 +674,7 @@ void test_conv_chunk(const KernelTable& kt, DType act, DType sdt, int W, bool ds
     bool y_untouched = true;
     for (uint8_t b : y2) y_untouched &= b == 0xcd;
     bool dec_untouched = true;  // the decode row's token (another kernel's)
-    for (int64_t i = qsl[5] * HV * V * es; i < qsl[6] * HV * V * es; ++i) dec_untouched &= o2[size_t(i)] == 0xee;
+    for (int64_t i = qsl[4] * HV * V * es; i < qsl[5] * HV * V * es; ++i) dec_untouched &= o2[size_t(i)] == 0xee;
     check_true("conv_chunk = conv_fwd + chunk " + tag + " C=" + std::to_string(chunk_size),
                o1 == o2 && c1 == c2 && s1 == s2 && y_untouched && dec_untouched,
                std::string(o1 == o2 ? "" : "output ") + (c1 == c2 ? "" : "conv_state ") +
@@ -1231,7 +1232,8 @@ int main() {
       wide.H = 1; wide.HV = 8;
       ThreadedParallel tp{4};
       for (DType sdt : {DType::f32, DType::bf16})
-        for (int W : {4, 2, 5}) test_conv_chunk(kt, act, sdt, W, W == 2, W != 5, GdnCase{}, Parallel{}, "serial", rng);
+        test_conv_chunk(kt, act, sdt, 4, false, true, GdnCase{}, Parallel{}, "serial", rng);
+      for (int W : {2, 5}) test_conv_chunk(kt, act, DType::f32, W, W == 2, W != 5, GdnCase{}, Parallel{}, "serial", rng);
       test_conv_chunk(kt, act, DType::f32, 3, false, true, wide, Parallel{}, "serial", rng);
       test_conv_chunk(kt, act, DType::f32, 4, true, true, GdnCase{}, tp.par(), "4 threads", rng);
     }
