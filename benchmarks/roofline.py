@@ -38,8 +38,12 @@ def bandwidth_gbs(kind, nbytes=8 * LLC_BYTES, reps=7):
     mode, per_byte = BANDWIDTH_MODES[kind]
     n = max(PIECE, nbytes // 4 // PIECE * PIECE)
     fn = _probe_call(mode)
-    dst = jnp.ones((n,), jnp.float32)
-    src = jnp.ones((n,), jnp.float32) if kind == "copy" else jnp.ones((PIECE,), jnp.float32)
+    # Made like the state pools (gdn_jax.zeros_pool: huge pages where the pools get them), so the
+    # probe and the kernels it bounds run on the same page size.
+    from gdn_jax import zeros_pool
+
+    dst = zeros_pool((n,), jnp.float32)
+    src = zeros_pool((n,), jnp.float32) if kind == "copy" else jnp.ones((PIECE,), jnp.float32)
     ts = []
     for i in range(reps + 2):
         t0 = time.perf_counter()

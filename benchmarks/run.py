@@ -174,7 +174,7 @@ def case_decode(rng, B, state_dtype, impl, cold=True):
     a, b = rnd(rng, (B, HV), jnp.bfloat16), rnd(rng, (B, HV), jnp.bfloat16)
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
-    pool = jnp.zeros((N, HV, K, V), state_dtype)
+    pool = gdn_jax.zeros_pool((N, HV, K, V), state_dtype)
     perm = rng.permutation(N)
     sets = [jnp.asarray(perm[i * B:(i + 1) * B], jnp.int32) for i in range(N // B)]
     fn = jax.jit(lambda q, k, v, a, b, pool, idx: ops.fused_sigmoid_gating_delta_rule_update(
@@ -190,7 +190,7 @@ def case_decode_pool(rng, B, N, impl):
     a, b = rnd(rng, (B, HV), jnp.bfloat16), rnd(rng, (B, HV), jnp.bfloat16)
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
-    pool = jnp.zeros((N, HV, K, V), jnp.bfloat16)
+    pool = gdn_jax.zeros_pool((N, HV, K, V), jnp.bfloat16)
     idx = jnp.arange(B, dtype=jnp.int32) * (N // B)
     fn = jax.jit(lambda q, k, v, a, b, pool: ops.fused_sigmoid_gating_delta_rule_update(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt, ssm_state=pool, state_indices=idx, impl=impl), donate_argnums=5)
@@ -206,7 +206,7 @@ def case_spec(rng, S, Q, state_dtype, impl, cold=True):
     a, b = rnd(rng, (T, HV), jnp.bfloat16), rnd(rng, (T, HV), jnp.bfloat16)
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
-    pool = jnp.zeros((N, HV, K, V), state_dtype)
+    pool = gdn_jax.zeros_pool((N, HV, K, V), state_dtype)
     perm = rng.permutation(N)
     sets = [jnp.asarray(perm[i * T:(i + 1) * T].reshape(S, Q), jnp.int32) for i in range(N // T)]
     qsl = jnp.arange(0, T + 1, Q, dtype=jnp.int32)
@@ -224,7 +224,7 @@ def case_chunk(rng, lens, state_dtype, impl):
     v = rnd(rng, (T, HV, V), jnp.bfloat16)
     g = -jnp.abs(rnd(rng, (T, HV), jnp.float32, 0.1))
     beta = jax.nn.sigmoid(rnd(rng, (T, HV), jnp.float32))
-    pool = jnp.zeros((S + 2, HV, K, V), state_dtype)
+    pool = gdn_jax.zeros_pool((S + 2, HV, K, V), state_dtype)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     idx = jnp.arange(S, dtype=jnp.int32) + 1
     hs = jnp.zeros((S,), bool)
@@ -238,7 +238,7 @@ def case_conv_fwd(rng, lens, impl):
     T, S = sum(lens), len(lens)
     x = rnd(rng, (T, D), jnp.bfloat16)
     w = rnd(rng, (D, W), jnp.bfloat16, 0.5)
-    pool = jnp.zeros((S + 2, W - 1, D), jnp.bfloat16)
+    pool = gdn_jax.zeros_pool((S + 2, W - 1, D), jnp.bfloat16)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     idx = jnp.arange(S, dtype=jnp.int32) + 1
     hs = jnp.ones((S,), bool)
@@ -252,7 +252,7 @@ def case_conv_update(rng, B, impl):
     x = rnd(rng, (B, D), jnp.bfloat16)
     w = rnd(rng, (D, W), jnp.bfloat16, 0.5)
     N = max(B, 64)
-    pool = jnp.zeros((N, W - 1, D), jnp.bfloat16)
+    pool = gdn_jax.zeros_pool((N, W - 1, D), jnp.bfloat16)
     idx = jnp.asarray(rng.permutation(N)[:B], jnp.int32)
     fn = jax.jit(lambda x, pool: ops.causal_conv1d_update(
         x, weight=w, bias=None, conv_state=pool, state_indices=idx, impl=impl), donate_argnums=1)
@@ -265,7 +265,7 @@ def case_conv_update_spec(rng, S, Q, impl):
     x = rnd(rng, (T, D), jnp.bfloat16)
     w = rnd(rng, (D, W), jnp.bfloat16, 0.5)
     N = max(S, 64)
-    pool = jnp.zeros((N, W - 1 + Q - 1, D), jnp.bfloat16)
+    pool = gdn_jax.zeros_pool((N, W - 1 + Q - 1, D), jnp.bfloat16)
     idx = jnp.asarray(rng.permutation(N)[:S], jnp.int32)
     qsl = jnp.arange(0, T + 1, Q, dtype=jnp.int32)
     acc = jnp.asarray(rng.integers(1, Q + 1, size=S), jnp.int32)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, Request, build_batch, ops, paths
+from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, Request, build_batch, ops, paths, zeros_pool
 from gdn_jax.batch import batch_status
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
@@ -107,8 +107,8 @@ def case(name, rng):
                                metas, 4),
                  "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
         # The kernels as ops on the same shapes, their own pools, the same slot sets.
-        conv_pool = jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16)
-        ssm_pool = jnp.zeros(cfg.ssm_state_shape(N), sd)
+        conv_pool = zeros_pool(cfg.conv_state_shape(N), jnp.bfloat16)
+        ssm_pool = zeros_pool(cfg.ssm_state_shape(N), sd)
         col0 = [m.state_indices[:, 0] for m in metas]
         qsl = metas[0].query_start_loc
         acc = metas[0].num_accepted_tokens
@@ -145,10 +145,10 @@ def case(name, rng):
         chunk = jax.jit(lambda pool: ops.chunk_gated_delta_rule(
             qh, kh, vh, g=g, beta=beta, ssm_state=pool, query_start_loc=qsl, state_indices=idx,
             has_initial_state=hs), donate_argnums=0)
-        calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (x,), jnp.zeros(cfg.conv_state_shape(N),
+        calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (x,), zeros_pool(cfg.conv_state_shape(N),
                                                                                    jnp.bfloat16), [None], 1)
         calls["gating"] = lambda: jax.block_until_ready(gate(a, b))
-        calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32),
+        calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), zeros_pool(cfg.ssm_state_shape(N), jnp.float32),
                                [None], 0)
         kernels = ("conv_fwd", "gating", "chunk")
     return _with_empty(calls), kernels
@@ -193,13 +193,13 @@ def mixed_case(name, rng):
         qd, kd, vd, a=a[dec], b=b[dec], A_log=params.A_log, dt_bias=params.dt_bias, ssm_state=pool,
         state_indices=jnp.arange(1, 9, dtype=jnp.int32)), donate_argnums=0)
     xp, xd, ap, bp = x[pre], x[dec], a[pre], b[pre]
-    calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (xp,), jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16),
-                              [None], 1)
+    calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (xp,),
+                              zeros_pool(cfg.conv_state_shape(N), jnp.bfloat16), [None], 1)
     calls["conv_update"] = Cycle(lambda x, pool, _: upd(x, pool), (xd,),
-                                 jnp.zeros(cfg.conv_state_shape(N), jnp.bfloat16), [None], 1)
+                                 zeros_pool(cfg.conv_state_shape(N), jnp.bfloat16), [None], 1)
     calls["gating"] = lambda: jax.block_until_ready(gate(ap, bp))
-    calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32), [None], 0)
-    calls["recurrence"] = Cycle(lambda pool, _: rec(pool), (), jnp.zeros(cfg.ssm_state_shape(N), jnp.float32), [None],
+    calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), zeros_pool(cfg.ssm_state_shape(N), jnp.float32), [None], 0)
+    calls["recurrence"] = Cycle(lambda pool, _: rec(pool), (), zeros_pool(cfg.ssm_state_shape(N), jnp.float32), [None],
                                 0)
     return _with_empty(calls), ("conv_fwd", "conv_update", "gating", "chunk", "recurrence")
 

@@ -10,7 +10,7 @@ from ._checks import PAD_SLOT_ID, InvalidBatchError
 from ._ffi import available_isas, cpu_features, native_available, selected_isa, set_isa, use_isa
 from . import batch, paths, reference
 from .batch import BatchBuilder, BatchMetadata, HostBatch, Request, build_batch, from_vllm_metadata
-from .config import GDNCache, GDNConfig, GDNParams
+from .config import GDNCache, GDNConfig, GDNParams, zeros_pool
 from .ops import (
     copy_slots,
     causal_conv1d_fwd,
@@ -76,4 +76,5 @@ __all__ = [
     "selected_isa",
     "set_isa",
     "use_isa",
+    "zeros_pool",
 ]

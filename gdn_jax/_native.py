@@ -23,6 +23,16 @@ def _sds(x, dtype=None):
     return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else dtype)
 
 
+def zero_pool(shape, dtype):
+    """A new zero-filled array [shape] of dtype whose whole 2 MiB pages were advised as
+    transparent huge pages before the fill (ffi/src/handlers/pool.cc). A side effect for XLA,
+    so two pools of one shape in one program are never merged into one buffer."""
+    require_native()
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "zero_pool", jax.ShapeDtypeStruct(tuple(shape), dtype),
+                            has_side_effect=True)
+    return call()
+
+
 def gating(a, b, A_log, dt_bias):
     """(a, b [T, HV]) -> (g, beta [T, HV] f32)."""
     require_native()

@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["GDNConfig", "GDNParams", "GDNCache"]
+from . import _native
+from ._ffi import native_available
+
+__all__ = ["GDNConfig", "GDNParams", "GDNCache", "zeros_pool"]
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 _LAYOUTS = ("SD", "DS")
@@ -248,6 +251,24 @@ class GDNParams:
         return self
 
 
+def zeros_pool(shape, dtype, *, huge_pages: bool = True):
+    """A zero-filled state pool, e.g. ``ssm_state [N, HV, K, V]`` or ``conv_state`` for the ops.
+
+    With ``huge_pages`` on the native CPU path (JAX's default backend is the CPU and the native
+    module is loaded) a kernel makes it: it advises the new buffer's whole 2 MiB pages as
+    transparent huge pages, then fills it (ffi/src/handlers/pool.cc). The decode and spec
+    kernels read a state head in column blocks whose rows lie on 16 different 4 KiB pages, and
+    run faster on huge pages (ffi/README.md, "Huge-page pools"). Where Linux has THP off the
+    hint changes nothing; off the native path, or with ``huge_pages=False``, the pool is
+    ``jnp.zeros``. The values are zeros either way.
+    Donated to the jitted steps, the pool stays the same buffer, so the pages stay huge.
+    """
+    shape = tuple(int(d) for d in shape)
+    if huge_pages and jax.default_backend() == "cpu" and native_available():
+        return _native.zero_pool(shape, dtype)
+    return jnp.zeros(shape, dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GDNCache:
@@ -266,12 +287,15 @@ class GDNCache:
     ssm_state: Any
 
     @classmethod
-    def create(cls, config: GDNConfig, num_slots: int) -> "GDNCache":
-        """Zero-filled pools with ``num_slots`` slots (zero = "no history")."""
+    def create(cls, config: GDNConfig, num_slots: int, *, huge_pages: bool = True) -> "GDNCache":
+        """Zero-filled pools with ``num_slots`` slots (zero = "no history").
+
+        ``huge_pages``: see :func:`zeros_pool` (which makes both pools).
+        """
         if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
-        return cls(conv_state=jnp.zeros(config.conv_state_shape(num_slots), config.act_dtype),
-                   ssm_state=jnp.zeros(config.ssm_state_shape(num_slots), config.state_dtype))
+        return cls(conv_state=zeros_pool(config.conv_state_shape(num_slots), config.act_dtype, huge_pages=huge_pages),
+                   ssm_state=zeros_pool(config.ssm_state_shape(num_slots), config.state_dtype, huge_pages=huge_pages))
 
     @property
     def num_slots(self) -> int:

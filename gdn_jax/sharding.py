@@ -222,13 +222,11 @@ def create_cache(config: GDNConfig, mesh: Mesh, num_slots: int) -> GDNCache:
     """Zero pools created sharded (each device allocates only its block; nothing is
     gathered): conv_state ``[dp*N, L, D]`` ("SD"; "DS": ``[dp*N, D, L]``) with channels in
     shard-major order, ssm_state ``[dp*N, HV, K, V]``. ``num_slots`` = N, per data shard."""
-    dp, tp = mesh_shape(mesh)
-    local_config(config, tp)
+    _, tp = mesh_shape(mesh)
+    local = local_config(config, tp)
     N = _positive("num_slots", num_slots)
-    specs = cache_specs(config)
-    shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
-    make = jax.jit(lambda: GDNCache.create(config, dp * N),
-                   out_shardings=GDNCache(conv_state=shard(specs.conv_state), ssm_state=shard(specs.ssm_state)))
+    # Each device makes its own block (GDNCache.create: huge pages on the native CPU path).
+    make = jax.jit(shard_map(lambda: GDNCache.create(local, N), mesh=mesh, in_specs=(), out_specs=cache_specs(config)))
     return make()
 
 

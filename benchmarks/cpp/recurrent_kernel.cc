@@ -1,5 +1,6 @@
 // The recurrent kernel alone (decode / spec verify), without XLA, jit or Python in the way:
-// the selected ISA's table entry on a cold slot pool (4x a 32 MiB LLC), threads of its own
+// the selected ISA's table entry on a cold slot pool (4x a 32 MiB LLC; on transparent huge pages
+// unless --huge-pages 0, like gdn_jax.zeros_pool), threads of its own
 // that spin between calls (no wake-up cost), a fresh slot set per call. Prints the median.
 // For A/B work on the kernel, where a jitted op's time moves more with the host than with the
 // change (ffi/README.md, "Recurrent decode / spec", Prefetch). Built with the core tests
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "gdn/dispatch.h"
+#include "memory_hints.h"
 
 namespace {
 
@@ -99,7 +101,7 @@ class SpinPool {
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--batch B] [--tokens T (per row; > 1: spec verify)] [--state f32|bf16] "
-               "[--threads N] [--calls C]\n",
+               "[--threads N] [--calls C] [--huge-pages 1|0 (default 1: the pool advised as THP, like gdn_jax.zeros_pool)]\n",
                argv0);
   return 2;
 }
@@ -108,7 +110,7 @@ int usage(const char* argv0) {
 
 int main(int argc, char** argv) {
   int B = 8, nq = 1, threads = 2, calls = 400;
-  bool bf16_state = false;
+  bool bf16_state = false, huge_pages = true;  // like the pools GDNCache.create makes
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (i + 1 >= argc) return usage(argv[0]);
@@ -117,6 +119,7 @@ int main(int argc, char** argv) {
     else if (a == "--tokens") nq = std::atoi(v);
     else if (a == "--threads") threads = std::atoi(v);
     else if (a == "--calls") calls = std::atoi(v);
+    else if (a == "--huge-pages") huge_pages = std::atoi(v) != 0;
     else if (a == "--state" && (std::string(v) == "f32" || std::string(v) == "bf16")) bf16_state = std::string(v) == "bf16";
     else return usage(argv[0]);
   }
@@ -130,11 +133,12 @@ int main(int argc, char** argv) {
   // Page-aligned like XLA's buffers (the kernel streams only to 64-byte aligned slots), zeroed:
   // every page faulted in before the timing.
   const size_t pool_bytes = static_cast<size_t>(N) * slot_bytes;
-  std::unique_ptr<char, decltype(&std::free)> pool(static_cast<char*>(std::aligned_alloc(4096, pool_bytes)), &std::free);
+  std::unique_ptr<char, decltype(&std::free)> pool(static_cast<char*>(std::aligned_alloc(size_t(2) << 20, (pool_bytes + (size_t(2) << 20) - 1) & ~((size_t(2) << 20) - 1))), &std::free);
   if (!pool) {
     std::fprintf(stderr, "cannot allocate the %zu-byte slot pool\n", pool_bytes);
     return 1;
   }
+  if (huge_pages && !gdn::advise_huge_pages(pool.get(), pool_bytes)) std::fprintf(stderr, "huge-page hint refused\n");
   std::memset(pool.get(), 0, pool_bytes);
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> byte(0, 255);

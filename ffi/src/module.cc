@@ -30,6 +30,7 @@ XLA_FFI_Error* GdnBatchStatus(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnStep(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBandwidthProbe(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnLinear(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnZeroPool(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
 
@@ -71,6 +72,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["step"] = capsule(gdn::GdnStep);
     d["bandwidth_probe"] = capsule(gdn::GdnBandwidthProbe);  // benchmarks only
     d["linear"] = capsule(gdn::GdnLinear);
+    d["zero_pool"] = capsule(gdn::GdnZeroPool);
     return d;
   });
   // The XLA FFI API version of the headers this module was compiled with: a jaxlib whose own

@@ -1,0 +1,94 @@
+"""State pools (gdn_jax.config.zeros_pool, GDNCache.create): zero values, the huge-page hint of
+the native pool kernel, and that a donated step keeps the pool's buffer (so the hint lasts).
+
+The hint is read back from the kernel's own view: /proc/self/smaps lists the flags of the
+mapping that holds the pool ("hg" = MADV_HUGEPAGE).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdn_jax
+from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, Request, build_batch, zeros_pool
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+NATIVE = jax.default_backend() == "cpu" and gdn_jax.native_available()
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def vm_flags(address: int) -> set:
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def middle(x) -> int:
+    return x.unsafe_buffer_pointer() + x.nbytes // 2
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 4, 16, 16), (64, 32, 64, 64)])
+def test_zeros_pool_is_zeros(shape, dtype, huge_pages):
+    # Heap memory freed with other contents just before: a small pool may be served from it.
+    junk = [jnp.full(shape, 7, dtype) + i for i in range(3)]
+    jax.block_until_ready(junk)
+    del junk
+    x = zeros_pool(shape, dtype, huge_pages=huge_pages)
+    assert x.shape == shape and x.dtype == dtype
+    assert not np.any(np.asarray(x.astype(F32)))
+
+
+@pytest.mark.skipif(not NATIVE or not os.path.exists("/proc/self/smaps") or not os.path.exists(THP),
+                    reason="the hint is the native CPU path's, read back from Linux's smaps")
+def test_zeros_pool_advises_huge_pages():
+    # 64 MiB and more: above glibc's largest mmap threshold (32 MiB), so the plain pools get
+    # mappings of their own, never heap memory that an earlier pool's hint still covers.
+    shape = (64, 16, 128, 128)
+    with_hint = zeros_pool(shape, F32)
+    plain = zeros_pool(shape, F32, huge_pages=False)
+    assert "hg" in vm_flags(middle(with_hint))
+    assert "hg" not in vm_flags(middle(plain))
+    cfg = GDNConfig(2, 4, 128, 128)  # 256 KiB of f32 state per slot
+    assert "hg" in vm_flags(middle(GDNCache.create(cfg, 260).ssm_state))
+    assert "hg" not in vm_flags(middle(GDNCache.create(cfg, 260, huge_pages=False).ssm_state))
+
+
+@pytest.mark.skipif(not NATIVE, reason="native pool kernel")
+def test_two_pools_of_one_program_are_two_buffers():
+    # The pool kernel has no operands: without its side-effect flag XLA could merge two calls.
+    a, b = jax.jit(lambda: (zeros_pool((4, 1024), F32), zeros_pool((4, 1024), F32)))()
+    assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+    a = a.at[0].set(1.0)
+    assert not np.any(np.asarray(b))
+
+
+@pytest.mark.skipif(not NATIVE, reason="native pool kernel and step")
+def test_donated_step_keeps_the_pool_buffer():
+    cfg = GDNConfig(1, 2, 16, 16, act_dtype=F32)
+    attn = GDNAttention(cfg, impl="native")
+    params = GDNParams.random(cfg, jax.random.key(0))
+    cache = GDNCache.create(cfg, 8)
+    ptr = cache.ssm_state.unsafe_buffer_pointer()
+    batch = build_batch([Request.decode(3), Request.decode(5)], num_slots=8, token_bucket=2,
+                        row_bucket=2).metadata.to_device()
+    x = jnp.ones((2, cfg.D), F32)
+    ab = jnp.zeros((2, cfg.HV), F32)
+    for _ in range(3):
+        out, cache = attn.decode(x, ab, ab, params, cache, batch)
+    assert cache.ssm_state.unsafe_buffer_pointer() == ptr
+    state = np.asarray(cache.ssm_state)
+    assert np.any(state[[3, 5]]) and not np.any(np.delete(state, [3, 5], axis=0))
