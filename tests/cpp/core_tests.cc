@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -609,6 +610,105 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     check("chunk final state    " + ctag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
           sdt == DType::bf16 ? 4e-3 : (act == DType::f32 ? 1e-5 : 2e-3));
   }
+}
+
+// Non-finite values through the recurrence (decode and spec rows): a start slot with +Inf,
+// -Inf and NaN in a few elements (a full 32-column block and the 16-column tail piece), a NaN
+// in v, in k (every column of its head), in b (beta) and in a (alpha); a spec row carries a
+// NaN from its first token to the states after it. Against float64 element by element: NaN
+// exactly where float64 is NaN, the same infinity where it is infinite, the finite rest within
+// the usual budgets (the state's one rounding for a bf16 pool). With f32 activations the NaNs
+// reach the bf16 store with full payloads, so this also guards the store's NaN test.
+void test_recurrent_nonfinite(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng) {
+  const int64_t H = 1, HV = 2, K = 32, V = 48, N = 9, G = HV / H;
+  const double eps = 1e-6, scale = 1.0 / std::sqrt(double(K));
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  const int64_t slot_elems = HV * K * V;
+  std::vector<double> S0(N * slot_elems);
+  std::normal_distribution<double> nd(0, 0.1);
+  for (auto& x : S0) x = nd(rng);
+  auto at = [&](int64_t slot, int64_t h, int64_t k, int64_t c) -> double& {
+    return S0[size_t(((slot * HV + h) * K + k) * V + c)];
+  };
+  at(0, 0, 3, 5) = inf;     // full block
+  at(0, 0, 10, 33) = -inf;  // tail piece
+  at(0, 1, 7, 40) = nan;
+  // Rows: 0 decode from slot 0; 1 decode, NaN in v; 2 decode, NaN in k; 3 decode, NaN in b
+  // (head 1) and a (head 0); 4 spec of 3 tokens from slot 0 (acc 1): the start's Inf / NaN
+  // carried through f32 between its tokens.
+  const int64_t S = 5, cols = 3, T = 7;
+  std::vector<int32_t> qsl = {0, 1, 2, 3, 4, 7}, acc = {1, 1, 1, 1, 1};
+  std::vector<int32_t> idx = {0, -1, -1, 1, -1, -1, 2, -1, -1, 3, -1, -1, 4, 5, 6};
+  // Row 4 reads slot 0 too, which row 0 writes: give row 0 a copy in slot 7 instead.
+  std::copy(S0.begin(), S0.begin() + slot_elems, S0.begin() + 7 * slot_elems);
+  idx[0] = 7;
+  Act q(T * H * K, rng), k(T * H * K, rng), v(T * HV * V, rng), a(T * HV, rng), b(T * HV, rng);
+  // NaNs with every payload bit set: rounding such an f32 NaN to bf16 without the NaN test
+  // carries into the sign or out of the word (-0 or +0), so these catch a missing test.
+  auto poison = [&](Act& x, size_t i, bool negative) {
+    const uint32_t bits = negative ? 0xffffffffu : 0x7fffffffu;
+    std::memcpy(&x.f32[i], &bits, 4);
+    x.b16[i] = uint16_t(bits >> 16);
+    x.f64[i] = nan;
+  };
+  poison(v, size_t((1 * HV + 0) * V + 20), false);
+  poison(k, size_t((2 * H + 0) * K + 9), true);
+  poison(b, size_t(3 * HV + 1), false);
+  poison(a, size_t(3 * HV + 0), true);
+  std::vector<uint8_t> pool(S0.size() * (sdt == DType::f32 ? 4 : 2));
+  store_state(pool, sdt, S0);
+  const std::vector<double> S0r = read_act(pool.data(), sdt, S0.size());
+  std::vector<float> A_log(HV), dt(HV);
+  for (int h = 0; h < HV; ++h) { A_log[h] = std::log(1.f + 3 * h); dt[h] = 0.3f - 0.1f * h; }
+  std::vector<uint8_t> o(T * HV * V * 4, 0xff), st = pool;
+  RecurrentArgs p{};
+  p.act = act; p.state = sdt; p.q = q.ptr(act); p.k = k.ptr(act); p.v = v.ptr(act); p.a = a.ptr(act);
+  p.b = b.ptr(act); p.A_log = A_log.data(); p.dt_bias = dt.data(); p.ssm_state = st.data(); p.o = o.data();
+  p.query_start_loc = qsl.data(); p.state_indices = idx.data(); p.num_accepted = acc.data();
+  p.index_cols = cols; p.T = T; p.S = S; p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V;
+  p.scale = float(scale); p.eps = float(eps); p.l2norm = true;
+  kt.recurrent(p, Parallel{});
+
+  std::vector<double> orf(T * HV * V, 0.0), sref = S0r, qh(K), kh(K);
+  for (int64_t r = 0; r < S; ++r)
+    for (int64_t h = 0; h < HV; ++h) {
+      const int64_t src = idx[r * cols + acc[r] - 1];
+      std::vector<double> Sm(S0r.begin() + (src * HV + h) * K * V, S0r.begin() + (src * HV + h + 1) * K * V);
+      for (int64_t t = 0; t < qsl[r + 1] - qsl[r]; ++t) {
+        const int64_t j = qsl[r] + t;
+        normalise(&q.f64[(j * H + h / G) * K], K, eps, scale, qh.data());
+        normalise(&k.f64[(j * H + h / G) * K], K, eps, 1.0, kh.data());
+        const double g = -std::exp(double(A_log[h])) * softplus(a.f64[j * HV + h] + dt[h]);
+        step64(Sm, qh.data(), kh.data(), &v.f64[(j * HV + h) * V], g, sigmoid(b.f64[j * HV + h]), K, V,
+               &orf[(j * HV + h) * V]);
+        std::copy(Sm.begin(), Sm.end(), sref.begin() + (idx[r * cols + t] * HV + h) * K * V);
+      }
+    }
+  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
+                          (sdt == DType::f32 ? " state f32" : " state bf16");
+  auto compare = [&](const std::string& what, const std::vector<double>& got, const std::vector<double>& want,
+                     double budget) {
+    std::vector<double> gf, wf;
+    int64_t bad = 0, nonfinite = 0;
+    std::string first;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double w = want[i], g = got[i];
+      bool ok;
+      if (std::isnan(w)) ok = std::isnan(g);
+      else if (std::isinf(w)) ok = g == w;
+      else ok = std::isfinite(g);
+      if (!std::isfinite(w)) ++nonfinite;
+      else if (ok) { gf.push_back(g); wf.push_back(w); }
+      if (!ok && bad++ == 0) first = "element " + std::to_string(i) + " got " + std::to_string(g) + " want " + std::to_string(w);
+    }
+    check_true(what + " non-finite where float64 is " + tag, bad == 0 && nonfinite > 0,
+               bad ? std::to_string(bad) + " bad, first: " + first : std::to_string(nonfinite) + " non-finite");
+    check(what + " finite rest " + tag, rel_rmse(gf, wf), budget);
+  };
+  const bool f32all = act == DType::f32 && sdt == DType::f32;
+  compare("recurrent non-finite o    ", read_act(o.data(), act, T * HV * V), orf, f32all ? 1e-5 : 2e-3);
+  compare("recurrent non-finite state", read_act(st.data(), sdt, S0.size()), sref,
+          sdt == DType::bf16 ? 4e-3 : (act == DType::f32 ? 1e-5 : 1e-4));
 }
 
 // The serving step's prefill (conv_chunk: the conv's outputs made per chunk and fed to the
@@ -1221,6 +1321,7 @@ int main() {
           for (DType wdt : {DType::f32, DType::bf16})
             for (bool has_bias : {true, false}) test_conv(kt, act, ds, W, wdt, has_bias, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng);
+      for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_nonfinite(kt, act, sdt, rng);
       // The chunk at Qwen3-Next head dims (K = V = 128: GEMM depths of 128, 8 panels).
       GdnCase big;
       big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
