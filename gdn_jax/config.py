@@ -263,7 +263,10 @@ def zeros_pool(shape, dtype, *, huge_pages: bool = True):
     ``jnp.zeros``. The values are zeros either way.
     Donated to the jitted steps, the pool stays the same buffer, so the pages stay huge.
     """
-    shape = tuple(int(d) for d in shape)
+    dims = tuple(shape) if isinstance(shape, (tuple, list)) else None
+    if dims is None or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
+        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+    shape, dtype = tuple(int(d) for d in dims), np.dtype(dtype)
     if huge_pages and jax.default_backend() == "cpu" and native_available():
         return _native.zero_pool(shape, dtype)
     return jnp.zeros(shape, dtype)

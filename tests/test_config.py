@@ -41,7 +41,7 @@ def middle(x) -> int:
 
 @pytest.mark.parametrize("huge_pages", [True, False])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("shape", [(3, 5), (2, 4, 16, 16), (64, 32, 64, 64)])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 4, 16, 16), (64, 32, 64, 64), (0, 8)])
 def test_zeros_pool_is_zeros(shape, dtype, huge_pages):
     # Heap memory freed with other contents just before: a small pool may be served from it.
     junk = [jnp.full(shape, 7, dtype) + i for i in range(3)]
@@ -50,6 +50,12 @@ def test_zeros_pool_is_zeros(shape, dtype, huge_pages):
     x = zeros_pool(shape, dtype, huge_pages=huge_pages)
     assert x.shape == shape and x.dtype == dtype
     assert not np.any(np.asarray(x.astype(F32)))
+
+
+@pytest.mark.parametrize("shape", [(-1, 4), (2.0, 4), 8, (True, 2)])
+def test_zeros_pool_refuses_bad_shapes(shape):
+    with pytest.raises(ValueError, match="shape must be a tuple of non-negative ints"):
+        zeros_pool(shape, F32)
 
 
 @pytest.mark.skipif(not NATIVE or not os.path.exists("/proc/self/smaps") or not os.path.exists(THP),
