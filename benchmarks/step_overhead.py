@@ -145,8 +145,8 @@ def case(name, rng):
         chunk = jax.jit(lambda pool: ops.chunk_gated_delta_rule(
             qh, kh, vh, g=g, beta=beta, ssm_state=pool, query_start_loc=qsl, state_indices=idx,
             has_initial_state=hs), donate_argnums=0)
-        calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (x,), zeros_pool(cfg.conv_state_shape(N),
-                                                                                   jnp.bfloat16), [None], 1)
+        calls["conv_fwd"] = Cycle(lambda x, pool, _: conv(x, pool), (x,),
+                                  zeros_pool(cfg.conv_state_shape(N), jnp.bfloat16), [None], 1)
         calls["gating"] = lambda: jax.block_until_ready(gate(a, b))
         calls["chunk"] = Cycle(lambda pool, _: chunk(pool), (), zeros_pool(cfg.ssm_state_shape(N), jnp.float32),
                                [None], 0)

@@ -387,14 +387,15 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
 
 // Value heads per work item: a group of gsz heads of one key head shares q^, k^ and the
 // raw scores. The largest divisor of G whose f32 states fit 128 KiB (so that the scratch
-// stays within a 512 KiB L2) and that still leaves >= 4 items per thread. The result does
-// not depend on the choice: every head computes the same operations on the same data.
-inline int64_t chunk_group(const ChunkArgs& p, int threads) {
+// stays within a 512 KiB L2) and that still leaves >= 4 items per thread over the `rows`
+// sequences with work. The result does not depend on the choice: every head computes the
+// same operations on the same data.
+inline int64_t chunk_group(const ChunkArgs& p, int64_t rows, int threads) {
   const int64_t G = p.HV / p.H;
   for (int64_t d = G; d > 1; --d) {
     if (G % d != 0) continue;
     if (d * p.K * p.V * 4 > 128 * 1024) continue;
-    if (p.S * (p.HV / d) < 4 * int64_t(threads)) continue;
+    if (rows * (p.HV / d) < 4 * int64_t(threads)) continue;
     return d;
   }
   return 1;
@@ -513,15 +514,22 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par, const ChunkConv<TA>* cf
   const int64_t covered = qsl[S];
   if (covered < p.T) std::memset(o + covered * HV * V, 0, size_t((p.T - covered) * HV * V) * sizeof(TA));
 
-  const int64_t gsz = chunk_group(p, par.num_threads);
+  // Items only for the sequences with work here: in a serving step most rows may be another
+  // kernel's (decode rows beside one prefill), and counting their items put every real one
+  // into one of the parallel ranges, i.e. on one thread (ffi/README.md, "Mixed steps").
+  std::vector<int64_t> seqs;
+  seqs.reserve(size_t(S));
+  for (int64_t s = 0; s < S; ++s)
+    if (qsl[s + 1] > qsl[s] && p.rows.owns(s)) seqs.push_back(s);
+  const int64_t nseq = int64_t(seqs.size());
+  const int64_t gsz = chunk_group(p, nseq, par.num_threads);
   const int64_t groups = HV / gsz;  // items per sequence
   const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz).total;  // C = 64's buffers hold C = 32's
-  par(S * groups, 1, [&](int64_t begin, int64_t end) {
+  par(nseq * groups, 1, [&](int64_t begin, int64_t end) {
     float* scratch = chunk_scratch(need);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / groups, h0 = (item % groups) * gsz;
+      const int64_t s = seqs[size_t(item / groups)], h0 = (item % groups) * gsz;
       const int64_t bos = qsl[s], eos = qsl[s + 1];
-      if (eos <= bos || !p.rows.owns(s)) continue;  // zero-length or another kernel's row
       const int32_t slot = p.state_indices[s];
       if (slot < 0) {  // padding row
         for (int64_t t = bos; t < eos; ++t) std::memset(o + (t * HV + h0) * V, 0, size_t(gsz * V) * sizeof(TA));
