@@ -489,6 +489,61 @@ void check_mixed_qkv(const std::string& what, Args p, const Act& q, const Act& k
   check_true(what, std::memcmp(o.data(), o_dense.data(), ob) == 0 && st == st_dense);
 }
 
+// A recurrence call's rows (decode / spec verify): query_start_loc, state_indices (cols per
+// row), num_accepted, T tokens; its per-head gate parameters; the kernel's arguments and the
+// float64 evaluation of the same call (padding rows skipped).
+struct RecRows {
+  std::vector<int32_t> qsl, idx, acc;
+  int64_t cols, T;
+  int64_t S() const { return int64_t(acc.size()); }
+};
+
+struct RecGates {
+  std::vector<float> A_log, dt;
+  explicit RecGates(int64_t HV) : A_log(size_t(HV)), dt(size_t(HV)) {
+    for (int h = 0; h < HV; ++h) { A_log[h] = std::log(1.f + 3 * h); dt[h] = 0.3f - 0.1f * h; }
+  }
+};
+
+RecurrentArgs rec_args(DType act, DType sdt, const Act& q, const Act& k, const Act& v, const Act& a, const Act& b,
+                       const RecGates& gt, const RecRows& rw, void* st, void* o, int64_t N, int64_t H, int64_t HV,
+                       int64_t K, int64_t V, double scale, double eps) {
+  RecurrentArgs p{};
+  p.act = act; p.state = sdt; p.q = q.ptr(act); p.k = k.ptr(act); p.v = v.ptr(act); p.a = a.ptr(act);
+  p.b = b.ptr(act); p.A_log = gt.A_log.data(); p.dt_bias = gt.dt.data(); p.ssm_state = st; p.o = o;
+  p.query_start_loc = rw.qsl.data(); p.state_indices = rw.idx.data(); p.num_accepted = rw.acc.data();
+  p.index_cols = rw.cols; p.T = rw.T; p.S = rw.S(); p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V;
+  p.scale = float(scale); p.eps = float(eps); p.l2norm = true;
+  return p;
+}
+
+// orf [T, HV, V] and sref (the pool S0r after the call) in float64.
+void rec_oracle(const Act& q, const Act& k, const Act& v, const Act& a, const Act& b, const RecGates& gt,
+                const RecRows& rw, const std::vector<double>& S0r, int64_t H, int64_t HV, int64_t K, int64_t V,
+                double scale, double eps, std::vector<double>& orf, std::vector<double>& sref) {
+  const int64_t G = HV / H, cols = rw.cols;
+  const int32_t* idx = rw.idx.data();
+  orf.assign(size_t(rw.T * HV * V), 0.0);
+  sref = S0r;
+  std::vector<double> qh(K), kh(K);
+  for (int64_t r = 0; r < rw.S(); ++r) {
+    if (idx[r * cols] < 0) continue;
+    for (int64_t h = 0; h < HV; ++h) {
+      const int64_t src = idx[r * cols + rw.acc[r] - 1];
+      std::vector<double> Sm(S0r.begin() + (src * HV + h) * K * V, S0r.begin() + (src * HV + h + 1) * K * V);
+      for (int64_t t = 0; t < rw.qsl[r + 1] - rw.qsl[r]; ++t) {
+        const int64_t j = rw.qsl[r] + t;
+        normalise(&q.f64[(j * H + h / G) * K], K, eps, scale, qh.data());
+        normalise(&k.f64[(j * H + h / G) * K], K, eps, 1.0, kh.data());
+        const double g = -std::exp(double(gt.A_log[h])) * softplus(a.f64[j * HV + h] + gt.dt[h]);
+        step64(Sm, qh.data(), kh.data(), &v.f64[(j * HV + h) * V], g, sigmoid(b.f64[j * HV + h]), K, V,
+               &orf[(j * HV + h) * V]);
+        std::copy(Sm.begin(), Sm.end(), sref.begin() + (idx[r * cols + t] * HV + h) * K * V);
+      }
+    }
+  }
+}
+
 void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng,
                               const GdnCase& c = GdnCase{}, bool with_spec = true) {
   const int64_t H = c.H, HV = c.HV, K = c.K, V = c.V, N = c.N, G = HV / H;
@@ -508,45 +563,20 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
 
   // Spec verify: rows with q = {3, 1, 2}, acc = {2, 1, 3}, 3 columns; row 1 is padding.
   if (with_spec) {
-    const int64_t cols = 3, S = 3;
-    std::vector<int32_t> qsl = {0, 3, 4, 6}, acc = {2, 1, 3};
-    std::vector<int32_t> idx = {0, 1, 2, -1, -1, -1, 3, 4, 5};
-    const int64_t T = 7;
+    const RecRows rw{{0, 3, 4, 6}, {0, 1, 2, -1, -1, -1, 3, 4, 5}, {2, 1, 3}, 3, 7};
+    const int64_t T = rw.T;
     Act q(T * H * K, rng), k(T * H * K, rng), v(T * HV * V, rng), a(T * HV, rng), b(T * HV, rng);
-    std::vector<float> A_log(HV), dt(HV);
-    for (int h = 0; h < HV; ++h) { A_log[h] = std::log(1.f + 3 * h); dt[h] = 0.3f - 0.1f * h; }
+    const RecGates gt(HV);
     std::vector<uint8_t> o(T * HV * V * 4, 0xff), st = pool;
-    RecurrentArgs p{};
-    p.act = act; p.state = sdt; p.q = q.ptr(act); p.k = k.ptr(act); p.v = v.ptr(act); p.a = a.ptr(act);
-    p.b = b.ptr(act); p.A_log = A_log.data(); p.dt_bias = dt.data(); p.ssm_state = st.data(); p.o = o.data();
-    p.query_start_loc = qsl.data(); p.state_indices = idx.data(); p.num_accepted = acc.data();
-    p.index_cols = cols; p.T = T; p.S = S; p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V;
-    p.scale = float(scale); p.eps = float(eps); p.l2norm = true;
+    const RecurrentArgs p = rec_args(act, sdt, q, k, v, a, b, gt, rw, st.data(), o.data(), N, H, HV, K, V, scale, eps);
     kt.recurrent(p, Parallel{});
     check_mixed_qkv("recurrent spec, mixed qkv rows = dense " + tag, p, q, k, v, act, pool, o, st,
                     [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
     check_row_filter("recurrent spec, row filter " + tag, p, HV * V * es, pool, o, st,
                      [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
                      [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
-    std::vector<double> orf(T * HV * V, 0.0), sref = S0r;
-    std::vector<double> qh(K), kh(K);
-    for (int64_t r = 0; r < S; ++r) {
-      if (idx[r * cols] < 0) continue;
-      for (int64_t h = 0; h < HV; ++h) {
-        const int64_t kh_i = h / G;
-        std::vector<double> Sm(S0r.begin() + (idx[r * cols + acc[r] - 1] * HV + h) * K * V,
-                               S0r.begin() + (idx[r * cols + acc[r] - 1] * HV + h + 1) * K * V);
-        for (int64_t t = 0; t < qsl[r + 1] - qsl[r]; ++t) {
-          const int64_t j = qsl[r] + t;
-          normalise(&q.f64[(j * H + kh_i) * K], K, eps, scale, qh.data());
-          normalise(&k.f64[(j * H + kh_i) * K], K, eps, 1.0, kh.data());
-          const double g = -std::exp(double(A_log[h])) * softplus(a.f64[j * HV + h] + dt[h]);
-          step64(Sm, qh.data(), kh.data(), &v.f64[(j * HV + h) * V], g, sigmoid(b.f64[j * HV + h]), K, V,
-                 &orf[(j * HV + h) * V]);
-          std::copy(Sm.begin(), Sm.end(), sref.begin() + (idx[r * cols + t] * HV + h) * K * V);
-        }
-      }
-    }
+    std::vector<double> orf, sref;
+    rec_oracle(q, k, v, a, b, gt, rw, S0r, H, HV, K, V, scale, eps, orf, sref);
     check("recurrent spec o     " + tag, rel_rmse(read_act(o.data(), act, T * HV * V), orf), f32all ? 1e-5 : 2e-3);
     // bf16 state: one bf16 rounding per stored state per token (2^-9 relative, RMSE ~1.6e-3).
     check("recurrent spec state " + tag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
@@ -620,7 +650,7 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
 // the usual budgets (the state's one rounding for a bf16 pool). With f32 activations the NaNs
 // reach the bf16 store with full payloads, so this also guards the store's NaN test.
 void test_recurrent_nonfinite(const KernelTable& kt, DType act, DType sdt, std::mt19937& rng) {
-  const int64_t H = 1, HV = 2, K = 32, V = 48, N = 9, G = HV / H;
+  const int64_t H = 1, HV = 2, K = 32, V = 48, N = 9;
   const double eps = 1e-6, scale = 1.0 / std::sqrt(double(K));
   const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
   const int64_t slot_elems = HV * K * V;
@@ -636,12 +666,11 @@ void test_recurrent_nonfinite(const KernelTable& kt, DType act, DType sdt, std::
   // Rows: 0 decode from slot 0; 1 decode, NaN in v; 2 decode, NaN in k; 3 decode, NaN in b
   // (head 1) and a (head 0); 4 spec of 3 tokens from slot 0 (acc 1): the start's Inf / NaN
   // carried through f32 between its tokens.
-  const int64_t S = 5, cols = 3, T = 7;
-  std::vector<int32_t> qsl = {0, 1, 2, 3, 4, 7}, acc = {1, 1, 1, 1, 1};
-  std::vector<int32_t> idx = {0, -1, -1, 1, -1, -1, 2, -1, -1, 3, -1, -1, 4, 5, 6};
+  RecRows rw{{0, 1, 2, 3, 4, 7}, {0, -1, -1, 1, -1, -1, 2, -1, -1, 3, -1, -1, 4, 5, 6}, {1, 1, 1, 1, 1}, 3, 7};
+  const int64_t T = rw.T;
   // Row 4 reads slot 0 too, which row 0 writes: give row 0 a copy in slot 7 instead.
   std::copy(S0.begin(), S0.begin() + slot_elems, S0.begin() + 7 * slot_elems);
-  idx[0] = 7;
+  rw.idx[0] = 7;
   Act q(T * H * K, rng), k(T * H * K, rng), v(T * HV * V, rng), a(T * HV, rng), b(T * HV, rng);
   // NaNs with every payload bit set: rounding such an f32 NaN to bf16 without the NaN test
   // carries into the sign or out of the word (-0 or +0), so these catch a missing test.
@@ -658,32 +687,12 @@ void test_recurrent_nonfinite(const KernelTable& kt, DType act, DType sdt, std::
   std::vector<uint8_t> pool(S0.size() * (sdt == DType::f32 ? 4 : 2));
   store_state(pool, sdt, S0);
   const std::vector<double> S0r = read_act(pool.data(), sdt, S0.size());
-  std::vector<float> A_log(HV), dt(HV);
-  for (int h = 0; h < HV; ++h) { A_log[h] = std::log(1.f + 3 * h); dt[h] = 0.3f - 0.1f * h; }
+  const RecGates gt(HV);
   std::vector<uint8_t> o(T * HV * V * 4, 0xff), st = pool;
-  RecurrentArgs p{};
-  p.act = act; p.state = sdt; p.q = q.ptr(act); p.k = k.ptr(act); p.v = v.ptr(act); p.a = a.ptr(act);
-  p.b = b.ptr(act); p.A_log = A_log.data(); p.dt_bias = dt.data(); p.ssm_state = st.data(); p.o = o.data();
-  p.query_start_loc = qsl.data(); p.state_indices = idx.data(); p.num_accepted = acc.data();
-  p.index_cols = cols; p.T = T; p.S = S; p.N = N; p.H = H; p.HV = HV; p.K = K; p.V = V;
-  p.scale = float(scale); p.eps = float(eps); p.l2norm = true;
-  kt.recurrent(p, Parallel{});
-
-  std::vector<double> orf(T * HV * V, 0.0), sref = S0r, qh(K), kh(K);
-  for (int64_t r = 0; r < S; ++r)
-    for (int64_t h = 0; h < HV; ++h) {
-      const int64_t src = idx[r * cols + acc[r] - 1];
-      std::vector<double> Sm(S0r.begin() + (src * HV + h) * K * V, S0r.begin() + (src * HV + h + 1) * K * V);
-      for (int64_t t = 0; t < qsl[r + 1] - qsl[r]; ++t) {
-        const int64_t j = qsl[r] + t;
-        normalise(&q.f64[(j * H + h / G) * K], K, eps, scale, qh.data());
-        normalise(&k.f64[(j * H + h / G) * K], K, eps, 1.0, kh.data());
-        const double g = -std::exp(double(A_log[h])) * softplus(a.f64[j * HV + h] + dt[h]);
-        step64(Sm, qh.data(), kh.data(), &v.f64[(j * HV + h) * V], g, sigmoid(b.f64[j * HV + h]), K, V,
-               &orf[(j * HV + h) * V]);
-        std::copy(Sm.begin(), Sm.end(), sref.begin() + (idx[r * cols + t] * HV + h) * K * V);
-      }
-    }
+  kt.recurrent(rec_args(act, sdt, q, k, v, a, b, gt, rw, st.data(), o.data(), N, H, HV, K, V, scale, eps),
+               Parallel{});
+  std::vector<double> orf, sref;
+  rec_oracle(q, k, v, a, b, gt, rw, S0r, H, HV, K, V, scale, eps, orf, sref);
   const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " act f32" : " act bf16") +
                           (sdt == DType::f32 ? " state f32" : " state bf16");
   auto compare = [&](const std::string& what, const std::vector<double>& got, const std::vector<double>& want,
