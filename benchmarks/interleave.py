@@ -14,7 +14,8 @@ fork/join counters of the kernels (parallel.h):
     PYTHONPATH=. python benchmarks/interleave.py --case decode_b8 --seconds 60
 
 A condition that costs more CPU time than idle points at the caches or the clock; one that costs the
-same CPU time but more wall time points at waiting (thread wake-up, run queue)."""
+same CPU time but more wall time points at waiting (thread wake-up, run queue); "in fors ms" is the
+wall time inside the kernels' parallel-fors, the rest of the step being dispatch and serial work."""
 from __future__ import annotations
 
 import argparse
@@ -82,14 +83,15 @@ def main(argv=None):
           f"meanwhile (a loaded host lengthens every row; compare rows, not runs)")
     base = np.median([x[0] for x in rec[conds[0]]])
     print(f"{'condition':14s} {'wall ms':>8s} {'/ ' + conds[0]:>8s} {'cpu ms':>7s} {'rq wait':>8s} "
-          f"{'helper start us':>15s} {'late':>5s} {'join us':>8s}")
+          f"{'helper start us':>15s} {'late':>5s} {'join us':>8s} {'in fors ms':>10s}")
     for c in conds:
         xs = rec[c]
         fj = R._fork_join([x[3] for x in xs]) or {}
         wall = np.median([x[0] for x in xs])
         print(f"{c:14s} {wall:8.3f} {wall / base:8.2f} {np.median([x[1] for x in xs]):7.2f} "
               f"{np.median([x[2] for x in xs]):8.2f} {fj.get('helper_start_us', float('nan')):15.0f} "
-              f"{fj.get('late_helper_frac', float('nan')):5.2f} {fj.get('join_wait_us', float('nan')):8.0f}", flush=True)
+              f"{fj.get('late_helper_frac', float('nan')):5.2f} {fj.get('join_wait_us', float('nan')):8.0f} "
+              f"{fj.get('job_ms') or float('nan'):10.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -375,12 +375,17 @@ def markdown(res, md_dir):
                   "CPU time and run-queue wait (runnable, not running) of this process's threads "
                   "(`/proc/self/task/*/schedstat`), and the fork/join of the kernels inside the step "
                   "(`parallel_counters`, ffi/src/parallel.h). More wait at the same CPU time is the scheduler, "
-                  "not the kernels (ffi/README.md, Limits).", "",
-                  "| case | state | CPU ms | run-queue wait ms | parallel-fors | helper start µs | late helpers | "
-                  "ranges on helpers | join wait µs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "not the kernels (ffi/README.md, Limits). **In parallel-fors**: wall time inside the kernels' "
+                  "parallel-fors (fork to join); the rest of the step's wall time is dispatch, XLA and the "
+                  "handlers' serial parts.", "",
+                  "| case | state | wall ms | in parallel-fors ms | CPU ms | run-queue wait ms | parallel-fors | "
+                  "helper start µs | late helpers | ranges on helpers | join wait µs |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r, a, b in fj:
                 ia, ib = r["native_interleaved"], r["native_b2b_pair"]
-                L.append(f"| {r['case']} | {r['state']} | {fmt(ia.get('cpu_ms'), '.2f')} / {fmt(ib.get('cpu_ms'), '.2f')} | "
+                L.append(f"| {r['case']} | {r['state']} | {fmt(ia.get('median_ms'), '.3f')} / {fmt(ib.get('median_ms'), '.3f')} | "
+                         f"{fmt(a.get('job_ms'), '.3f')} / {fmt(b.get('job_ms'), '.3f')} | "
+                         f"{fmt(ia.get('cpu_ms'), '.2f')} / {fmt(ib.get('cpu_ms'), '.2f')} | "
                          f"{fmt(ia.get('runqueue_wait_ms'), '.2f')} / {fmt(ib.get('runqueue_wait_ms'), '.2f')} | "
                          f"{a['jobs_per_call']:.0f} | {a['helper_start_us']:.0f} / "
                          f"{b['helper_start_us']:.0f} | {100 * a['late_helper_frac']:.0f}% / "

@@ -535,7 +535,8 @@ def _fork_join(cs):
     jobs, helpers = max(tot["jobs"], 1), max(tot["helpers"], 1)
     return dict(jobs_per_call=tot["jobs"] / len(cs), helper_start_us=tot["helper_start_ns"] / helpers / 1e3,
                 late_helper_frac=tot["late_helpers"] / helpers, helper_range_frac=tot["helper_ranges"] / max(tot["ranges"], 1),
-                join_wait_us=tot["join_wait_ns"] / jobs / 1e3, join_sleep_frac=tot["join_sleeps"] / jobs)
+                join_wait_us=tot["join_wait_ns"] / jobs / 1e3, join_sleep_frac=tot["join_sleeps"] / jobs,
+                job_ms=tot["job_ns"] / len(cs) / 1e6 if "job_ns" in tot else None)
 
 
 def empty_call_ms(target):

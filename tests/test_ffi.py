@@ -251,6 +251,33 @@ def test_donated_cache_is_updated_in_place():
     assert not copies, "\n".join(copies)
 
 
+def test_parallel_counters_time_the_forks_inside_the_call():
+    """The benchmarks' fork/join counters (parallel.h): job_ns is the wall time of the parallel-fors,
+    so it is positive when a call forked and never more than the call's own wall time."""
+    import time
+
+    counters = _ffi._gdn_ffi.parallel_counters
+    x, w, cs, qsl, idx, hs = _conv_case(D=1024, T=128)  # 2 token blocks x 4 channel blocks: 8 items
+    f = jax.jit(lambda x, cs: gdn_jax.causal_conv1d_fwd(
+        x, weight=w, bias=None, conv_state=cs, query_start_loc=qsl.at[-1].set(128), state_indices=idx,
+        has_initial_state=hs, impl="native"), donate_argnums=(1,))
+    y, cs = f(x, cs)
+    jax.block_until_ready(y)
+    counters(True)
+    t0 = time.perf_counter()
+    y, cs = f(x, cs)
+    jax.block_until_ready((y, cs))
+    wall_ns = (time.perf_counter() - t0) * 1e9
+    c = counters(True)
+    assert set(c) >= {"jobs", "helpers", "join_wait_ns", "job_ns"}
+    if c["jobs"] == 0:  # a one-thread pool runs every loop inline: nothing forked, nothing timed
+        assert c["job_ns"] == 0 and c["helpers"] == 0
+    else:
+        assert 0 < c["job_ns"] <= wall_ns, (c, wall_ns)
+        assert c["join_wait_ns"] <= c["job_ns"], c
+    assert counters(False)["job_ns"] == 0  # reset
+
+
 def test_copy_slots_pool_passes_the_report_call_in_place():
     """copy_slots returns the pool through the native report call: still in place, no copy."""
     pool = jnp.asarray(np.random.default_rng(3).normal(size=(16, 3, 40)), jnp.float32)

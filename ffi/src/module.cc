@@ -108,7 +108,7 @@ NB_MODULE(_gdn_ffi, m) {
         // the last reset.
         static const char* names[gdn::kNumParallelCounters] = {
             "jobs", "helpers", "helper_start_ns", "helper_start_max_ns", "late_helpers",
-            "helper_ranges", "ranges", "join_wait_ns", "join_sleeps"};
+            "helper_ranges", "ranges", "join_wait_ns", "join_sleeps", "job_ns"};
         int64_t v[gdn::kNumParallelCounters];
         gdn::parallel_counters(v, reset);
         nb::dict d;

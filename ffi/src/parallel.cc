@@ -111,7 +111,9 @@ void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ct
   count(kJobs, 1);
   count(kHelpers, helpers);
   count(kRanges, job->num_ranges);
-  count(kJoinWaitNs, now_ns() - t_join);
+  const int64_t t_end = now_ns();
+  count(kJoinWaitNs, t_end - t_join);
+  count(kJobNs, t_end - t_sched);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@ enum ParallelCounter {
   kRanges,           // ranges in all
   kJoinWaitNs,       // caller's time from its last range to the end of the job
   kJoinSleeps,       // joins that went past the poll into the condition variable
+  kJobNs,            // wall time of the parallel-fors, first schedule to join, in ns
   kNumParallelCounters
 };
 void parallel_counters(int64_t out[kNumParallelCounters], bool reset);
