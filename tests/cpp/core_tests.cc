@@ -1284,8 +1284,23 @@ void test_split_gemm(const std::string& name, SplitGemmFn gemm, std::mt19937& rn
 }
 }  // namespace
 
+// GDN_CORE_TEST_ISAS=a,b: run the kernel tests of those ISAs only ("none": the dispatch line and
+// the model tests alone). run_core_tests.sh sets it for the qemu CPU model without BF16, whose
+// neon and generic kernels are the same instructions the BF16 model's run has just tested.
+static bool isa_selected_for_tests(const std::string& isa) {
+  const char* env = std::getenv("GDN_CORE_TEST_ISAS");
+  if (env == nullptr) return true;
+  const std::string list = std::string(",") + env + ",";
+  return list.find("," + isa + ",") != std::string::npos;
+}
+
 int main() {
   std::printf("CPU features: %s\n", cpu_features().c_str());
+  {
+    std::string names;
+    for (const std::string& isa : available_isas()) names += (names.empty() ? "" : " ") + isa;
+    std::printf("ISAs: %s; selected: %s\n", names.c_str(), selected_isa().c_str());
+  }
   test_huge_page_hint();
 #if GDN_TEST_AMX
   {
@@ -1311,6 +1326,10 @@ int main() {
   }
 #endif
   for (const std::string& isa : available_isas()) {
+    if (!isa_selected_for_tests(isa)) {
+      std::printf("%s kernels: not run (GDN_CORE_TEST_ISAS)\n", isa.c_str());
+      continue;
+    }
     std::string why;
     if (!select_isa(isa, &why)) {
       std::printf("cannot select %s: %s\n", isa.c_str(), why.c_str());
