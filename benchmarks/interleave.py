@@ -91,7 +91,7 @@ def main(argv=None):
         print(f"{c:14s} {wall:8.3f} {wall / base:8.2f} {np.median([x[1] for x in xs]):7.2f} "
               f"{np.median([x[2] for x in xs]):8.2f} {fj.get('helper_start_us', float('nan')):15.0f} "
               f"{fj.get('late_helper_frac', float('nan')):5.2f} {fj.get('join_wait_us', float('nan')):8.0f} "
-              f"{fj.get('job_ms') or float('nan'):10.3f}", flush=True)
+              f"{fj['job_ms'] if fj.get('job_ms') is not None else float('nan'):10.3f}", flush=True)
 
 
 if __name__ == "__main__":
