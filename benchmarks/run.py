@@ -527,7 +527,8 @@ def _counters():
 
 
 def _fork_join(cs):
-    """Per-call means of make_parallel's counters (parallel.h) over a list of per-call dicts."""
+    """Per-call means of make_parallel's counters (parallel.h) over a list of per-call dicts; the time
+    inside the parallel-fors (job_ms) as the median per call, like the wall times it is read against."""
     cs = [c for c in cs if c]
     if not cs:
         return None
@@ -536,7 +537,7 @@ def _fork_join(cs):
     return dict(jobs_per_call=tot["jobs"] / len(cs), helper_start_us=tot["helper_start_ns"] / helpers / 1e3,
                 late_helper_frac=tot["late_helpers"] / helpers, helper_range_frac=tot["helper_ranges"] / max(tot["ranges"], 1),
                 join_wait_us=tot["join_wait_ns"] / jobs / 1e3, join_sleep_frac=tot["join_sleeps"] / jobs,
-                job_ms=tot["job_ns"] / len(cs) / 1e6 if "job_ns" in tot else None)
+                job_ms=float(np.median([c["job_ns"] for c in cs])) / 1e6 if "job_ns" in tot else None)
 
 
 def empty_call_ms(target):

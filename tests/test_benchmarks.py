@@ -593,3 +593,23 @@ def test_interleave_tool_reports_every_condition(capsys):
     for r in rows:
         wall, cpu = float(r[1]), float(r[3])
         assert wall > 0 and (cpu > 0 or not os.path.exists("/proc/self/task")), r
+
+
+def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
+    """run._fork_join: per-call means of the counters; the time in parallel-fors as the median per
+    call (read against median wall times), so one slow call does not lift it."""
+    sys.path.insert(0, BENCH)
+    try:
+        run = _load("run")
+    finally:
+        sys.path.remove(BENCH)
+    base = dict(jobs=2, helpers=2, helper_start_ns=20_000, helper_start_max_ns=15_000, late_helpers=0,
+                helper_ranges=4, ranges=8, join_wait_ns=10_000, join_sleeps=0)
+    calls = [dict(base, job_ns=1_000_000), dict(base, job_ns=3_000_000, late_helpers=2),
+             dict(base, job_ns=100_000_000)]
+    fj = run._fork_join(calls)
+    assert fj["job_ms"] == pytest.approx(3.0)
+    assert fj["jobs_per_call"] == 2 and fj["helper_start_us"] == pytest.approx(10.0)
+    assert fj["late_helper_frac"] == pytest.approx(2 / 6) and fj["join_wait_us"] == pytest.approx(5.0)
+    assert run._fork_join([base])["job_ms"] is None  # an extension without the counter
+    assert run._fork_join([None, {}]) is None
