@@ -12,7 +12,9 @@
 
 // GCC leaves the vector primitives (vstore, exp8, ...) out of line in these large template
 // functions and passes VF through memory; flatten inlines every call in the item functions.
+#ifndef GDN_CONV_HOT
 #define GDN_CONV_HOT __attribute__((flatten))
+#endif
 
 constexpr int64_t kConvTokBlock = 64;    // prefill item: tokens x kConvChanBlock channels
 constexpr int64_t kConvChanBlock = 256;  // channels per item (prefill and update)
