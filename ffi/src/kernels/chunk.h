@@ -517,18 +517,18 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par, const ChunkConv<TA>* cf
   // Items only for the sequences with work here: in a serving step most rows may be another
   // kernel's (decode rows beside one prefill), and counting their items put every real one
   // into one of the parallel ranges, i.e. on one thread (ffi/README.md, "Mixed steps").
-  std::vector<int64_t> seqs;
-  seqs.reserve(size_t(S));
+  // The list is the calling thread's scratch (no allocation per call); workers only read it.
+  int64_t* seqs = thread_scratch<int64_t, 4>(S > 0 ? S : 1);
+  int64_t nseq = 0;
   for (int64_t s = 0; s < S; ++s)
-    if (qsl[s + 1] > qsl[s] && p.rows.owns(s)) seqs.push_back(s);
-  const int64_t nseq = int64_t(seqs.size());
+    if (qsl[s + 1] > qsl[s] && p.rows.owns(s)) seqs[nseq++] = s;
   const int64_t gsz = chunk_group(p, nseq, par.num_threads);
   const int64_t groups = HV / gsz;  // items per sequence
   const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz).total;  // C = 64's buffers hold C = 32's
   par(nseq * groups, 1, [&](int64_t begin, int64_t end) {
     float* scratch = chunk_scratch(need);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = seqs[size_t(item / groups)], h0 = (item % groups) * gsz;
+      const int64_t s = seqs[item / groups], h0 = (item % groups) * gsz;
       const int64_t bos = qsl[s], eos = qsl[s + 1];
       const int32_t slot = p.state_indices[s];
       if (slot < 0) {  // padding row

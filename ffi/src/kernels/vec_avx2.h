@@ -18,7 +18,8 @@ inline VF vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline VF vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline __m256 bf16x8_to_ps(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 // Two 128-bit loads that fold into vpmovzxwd's memory operand (a 256-bit load + extract
-// costs two more uops per 16 lanes).
+// costs two more uops per 16 lanes; a 256-bit load + vpermq + two unpacks with zero was no
+// faster on Zen 3: decode B=8 bf16 state, 2026-12-02).
 inline VF vload(const bf16* p) {
   return {bf16x8_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           bf16x8_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
