@@ -26,10 +26,11 @@ if [ "$(uname -m)" = x86_64 ]; then
 fi
 
 # One build directory: the core library is compiled once for the core tests and the extension.
-WITH_PY=ON; [ "${GDN_SAN_CORE_ONLY:-0}" = 1 ] && WITH_PY=OFF
+# Python only when the extension is built (CMake warns of an unused -D otherwise).
+PY_ARGS=(-DGDN_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")")
+[ "${GDN_SAN_CORE_ONLY:-0}" = 1 ] && PY_ARGS=(-DGDN_BUILD_PYTHON=OFF)
 "$CMAKE" -S . -B build/san -G Ninja -DCMAKE_BUILD_TYPE=Release -DGDN_SANITIZE=ON -DGDN_BUILD_CORE_TESTS=ON \
-    -DGDN_SKIP_ISAS="$SKIP_ISAS" \
-    -DGDN_BUILD_PYTHON=$WITH_PY -DPython_EXECUTABLE="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" >/dev/null
+    -DGDN_SKIP_ISAS="$SKIP_ISAS" "${PY_ARGS[@]}" >/dev/null
 "$CMAKE" --build build/san -j 2 --target gdn_core_tests >/dev/null
 echo "== core tests, ASan+UBSan, native ($(uname -m); not built here: ${SKIP_ISAS:-none})"
 ./build/san/gdn_core_tests | tail -n 1
