@@ -16,9 +16,14 @@ BENCH = os.path.join(ROOT, "benchmarks")
 
 
 def _load(name):
+    """benchmarks/<name>.py as a module; benchmarks/ is on sys.path while it loads (its sibling imports)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, BENCH)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(BENCH)
     return mod
 
 
@@ -132,11 +137,7 @@ def test_layer_rows_time_ours_and_the_baseline_in_turn(quick_run):
 
 
 def test_paired_bench_alternates_and_keeps_each_sides_times():
-    sys.path.insert(0, BENCH)
-    try:
-        run = _load("run")
-    finally:
-        sys.path.remove(BENCH)
+    run = _load("run")
     log, waits = [], []
 
     def ours():
@@ -389,11 +390,7 @@ def test_a_second_measurement_gets_the_live_donated_cache():
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, BENCH)
-    try:
-        run = _load("run")
-    finally:
-        sys.path.remove(BENCH)
+    run = _load("run")
     fn = jax.jit(lambda x, c: (x, c + 1), donate_argnums=1)
     args = [jnp.ones(4), jnp.zeros(1024)]
     for _ in range(2):  # the second call failed with "Buffer has been deleted or donated"
@@ -509,11 +506,7 @@ def test_a_rate_above_its_roofline_is_refused_not_printed():
 
 def test_step_kernels_name_ops_the_run_measures():
     """Every layer case's kernels are op cases of a full run, so each step / kernels ratio is computable."""
-    sys.path.insert(0, BENCH)
-    try:
-        run = _load("run")
-    finally:
-        sys.path.remove(BENCH)
+    run = _load("run")
     measured = {(c["op"], c["case"]) for c in run.cases(False)}
     for lc in run.layer_cases(False):
         ks = report.step_kernels(lc["case"], lc["state"])
@@ -580,11 +573,7 @@ def test_interleave_tool_reports_every_condition(capsys):
     gdn_jax = pytest.importorskip("gdn_jax")
     if not gdn_jax.native_available():
         pytest.skip("native extension not built")
-    sys.path.insert(0, BENCH)
-    try:
-        il = _load("interleave")
-    finally:
-        sys.path.remove(BENCH)
+    il = _load("interleave")
     il.R.MATMUL_BLOCK_MS = 5.0  # a small block: this is a smoke test
     il.main(["--case", "decode_b1", "--seconds", "0", "--conditions", "idle,b2b,matmul,fma50"])
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] and
@@ -598,11 +587,7 @@ def test_interleave_tool_reports_every_condition(capsys):
 def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
     """run._fork_join: per-call means of the counters; the time in parallel-fors as the median per
     call (read against median wall times), so one slow call does not lift it."""
-    sys.path.insert(0, BENCH)
-    try:
-        run = _load("run")
-    finally:
-        sys.path.remove(BENCH)
+    run = _load("run")
     base = dict(jobs=2, helpers=2, helper_start_ns=20_000, helper_start_max_ns=15_000, late_helpers=0,
                 helper_ranges=4, ranges=8, join_wait_ns=10_000, join_sleeps=0)
     calls = [dict(base, job_ns=1_000_000), dict(base, job_ns=3_000_000, late_helpers=2),
