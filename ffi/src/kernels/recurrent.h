@@ -11,7 +11,8 @@
 // not depend on the split nor on the thread that runs an item.
 //
 // Per column block (K x 32 f32, 16 KiB at K = 128, stays in L1 between the passes):
-//   pass 1 (first token only): kv = S_srcᵀ k̂_0 (read the start slot).
+//   pass 1 (first token only): kv = S_srcᵀ k̂_0 (read the start slot; a bf16 one is also
+//   kept widened in loc for the first fused pass).
 //   per token t: delta = beta (v - alpha kv); one fused pass over k:
 //     S[k] = alpha S[k] + k̂_k delta; store S[k] to slot idx[i, t];
 //     o += S[k] q̂_k;  kv' += S[k] k̂_{t+1,k} (the next token's reduction, fused).
@@ -61,9 +62,12 @@ struct RecGroup {
 
 // kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
 // This pass reads the block from memory (the fused pass then reads it from L1); a bf16 block
-// was prefetched by the previous block's fused pass (rec_pass).
-template <int NV, bool kFull, class Src>
-GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv) {
+// was prefetched by the previous block's fused pass (rec_pass). stash (kStash): the block as
+// read, widened to f32 (row stride kRecBlock), so that the first token's pass reads it without
+// widening every element a second time.
+template <int NV, bool kFull, bool kStash = false, class Src>
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv,
+                        float* stash = nullptr) {
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
   int64_t k = 0;
@@ -72,13 +76,22 @@ GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, in
     const Src* r0 = s + k * ld;
     const Src* r1 = r0 + ld;
     for (int c = 0; c < NV; ++c) {
-      a0[c] = vfma(rec_ld<kFull>(r0 + c * kLanes, ncol), k0, a0[c]);
-      a1[c] = vfma(rec_ld<kFull>(r1 + c * kLanes, ncol), k1, a1[c]);
+      const VF x0 = rec_ld<kFull>(r0 + c * kLanes, ncol), x1 = rec_ld<kFull>(r1 + c * kLanes, ncol);
+      if (kStash) {
+        vstore(stash + k * kRecBlock + c * kLanes, x0);
+        vstore(stash + (k + 1) * kRecBlock + c * kLanes, x1);
+      }
+      a0[c] = vfma(x0, k0, a0[c]);
+      a1[c] = vfma(x1, k1, a1[c]);
     }
   }
   if (k < K) {
     const VF k0 = vset1(kh[k]);
-    for (int c = 0; c < NV; ++c) a0[c] = vfma(rec_ld<kFull>(s + k * ld + c * kLanes, ncol), k0, a0[c]);
+    for (int c = 0; c < NV; ++c) {
+      const VF x0 = rec_ld<kFull>(s + k * ld + c * kLanes, ncol);
+      if (kStash) vstore(stash + k * kRecBlock + c * kLanes, x0);
+      a0[c] = vfma(x0, k0, a0[c]);
+    }
   }
   for (int c = 0; c < NV; ++c) kv[c] = a0[c] + a1[c];
 }
@@ -182,8 +195,10 @@ template <int NV, bool kFull, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
                             int64_t col, int ncol, bool keep, float* loc, const ST* pf) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
+  // A bf16 start block is widened once, into loc, and the first pass reads that copy.
+  constexpr bool kStash = !std::is_same<Src, float>::value;
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull>(src, s_ld, K, g.kh[0], ncol, kv);
+  rec_kv<NV, kFull, kStash>(src, s_ld, K, g.kh[0], ncol, kv, loc);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
@@ -194,8 +209,12 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     const float* khn = next ? g.kh[t + 1] : nullptr;
     ST* dst = g.dst[t] + col;
     if (t == 0) {
-      rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
-                              ncol, o, kv, pf, 0, g.n);
+      if constexpr (kStash)  // loc -> loc in place, as below
+        rec_pass_any<NV, kFull>(next, use_loc, nt, static_cast<const float*>(loc), kRecBlock, dst, V, loc, K,
+                                g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n);
+      else
+        rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
+                                ncol, o, kv, pf, 0, g.n);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
