@@ -1,7 +1,9 @@
 // The recurrent kernel alone (decode / spec verify), without XLA, jit or Python in the way:
 // the selected ISA's table entry on a cold slot pool (4x a 32 MiB LLC; on transparent huge pages
-// unless --huge-pages 0, like gdn_jax.zeros_pool), threads of its own
-// that spin between calls (no wake-up cost), a fresh slot set per call. Prints the median.
+// unless --huge-pages 0, like gdn_jax.zeros_pool), threads of its own that spin between calls
+// (no wake-up cost; --helpers sleep: they wait on a condition variable instead, as XLA's pool
+// threads do once idle, and --gap-us sleeps between calls), a fresh slot set per call. Prints
+// the median.
 // For A/B work on the kernel, where a jitted op's time moves more with the host than with the
 // change (ffi/README.md, "Recurrent decode / spec", Prefetch). Built with the core tests
 // (`make test-core`: build/dev/gdn_recurrent_kernel_bench), or alone:
@@ -12,10 +14,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -37,34 +41,47 @@ inline void relax() {
 #endif
 }
 
-// Caller-helps parallel-for on helpers that spin for the next job (ranges of n / (4 threads)).
-class SpinPool {
+// Caller-helps parallel-for on helpers that spin for the next job, or (sleep) wait for it on a
+// condition variable (ranges of n / (4 threads)).
+class Workers {
  public:
-  explicit SpinPool(int threads) : threads_(threads) {
+  Workers(int threads, bool sleep) : threads_(threads), sleep_(sleep) {
     for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper(); });
   }
-  ~SpinPool() {
-    stop_.store(true);
+  ~Workers() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_.store(true);
+    }
+    cv_.notify_all();
     for (auto& t : helpers_) t.join();
   }
   Parallel parallel() {
     Parallel p;
     p.ctx = this;
-    p.run_fn = &SpinPool::run;
+    p.run_fn = &Workers::run;
     p.num_threads = threads_;
     return p;
   }
 
  private:
   static void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
-    auto* self = static_cast<SpinPool*>(ctx);
+    auto* self = static_cast<Workers*>(ctx);
     self->body_ = body;
     self->body_ctx_ = body_ctx;
     self->n_ = n;
     self->step_ = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + 4 * self->threads_ - 1) / (4 * self->threads_));
     self->next_.store(0);
     self->busy_.store(self->threads_ - 1);
-    self->generation_.fetch_add(1, std::memory_order_release);
+    if (self->sleep_) {
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->generation_.fetch_add(1, std::memory_order_release);
+      }
+      self->cv_.notify_all();
+    } else {
+      self->generation_.fetch_add(1, std::memory_order_release);
+    }
     self->drain();
     while (self->busy_.load(std::memory_order_acquire) > 0) relax();
   }
@@ -79,9 +96,16 @@ class SpinPool {
     int seen = 0;
     for (;;) {
       int g;
-      while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+      if (sleep_) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; });
         if (stop_.load()) return;
-        relax();
+        g = generation_.load(std::memory_order_acquire);
+      } else {
+        while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+          if (stop_.load()) return;
+          relax();
+        }
       }
       seen = g;
       drain();
@@ -89,6 +113,9 @@ class SpinPool {
     }
   }
   int threads_;
+  bool sleep_;
+  std::mutex mu_;
+  std::condition_variable cv_;
   std::vector<std::thread> helpers_;
   std::atomic<int> generation_{0}, busy_{0};
   std::atomic<bool> stop_{false};
@@ -101,7 +128,8 @@ class SpinPool {
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--batch B] [--tokens T (per row; > 1: spec verify)] [--state f32|bf16] "
-               "[--threads N] [--calls C] [--huge-pages 1|0 (default 1: the pool advised as THP, like gdn_jax.zeros_pool)]\n",
+               "[--threads N] [--calls C] [--huge-pages 1|0 (default 1: the pool advised as THP, like gdn_jax.zeros_pool)] "
+               "[--helpers spin|sleep (default spin)] [--gap-us G (sleep between calls, default 0)]\n",
                argv0);
   return 2;
 }
@@ -111,6 +139,8 @@ int usage(const char* argv0) {
 int main(int argc, char** argv) {
   int B = 8, nq = 1, threads = 2, calls = 400;
   bool bf16_state = false, huge_pages = true;  // like the pools GDNCache.create makes
+  bool sleep_helpers = false;
+  int gap_us = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (i + 1 >= argc) return usage(argv[0]);
@@ -120,10 +150,12 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = std::atoi(v);
     else if (a == "--calls") calls = std::atoi(v);
     else if (a == "--huge-pages") huge_pages = std::atoi(v) != 0;
+    else if (a == "--helpers" && (std::string(v) == "spin" || std::string(v) == "sleep")) sleep_helpers = std::string(v) == "sleep";
+    else if (a == "--gap-us") gap_us = std::atoi(v);
     else if (a == "--state" && (std::string(v) == "f32" || std::string(v) == "bf16")) bf16_state = std::string(v) == "bf16";
     else return usage(argv[0]);
   }
-  if (B < 1 || nq < 1 || threads < 1 || calls < 1) return usage(argv[0]);
+  if (B < 1 || nq < 1 || threads < 1 || calls < 1 || gap_us < 0) return usage(argv[0]);
   // Qwen3-Next-80B per-layer shapes, bf16 activations.
   const int64_t H = 16, HV = 32, K = 128, V = 128, T = int64_t(B) * nq;
   const size_t slot_bytes = size_t(HV * K * V) * (bf16_state ? 2 : 4);
@@ -187,7 +219,7 @@ int main(int argc, char** argv) {
   r.eps = 1e-6f;
   r.l2norm = true;
 
-  SpinPool workers(threads);
+  Workers workers(threads, sleep_helpers);
   const Parallel par = workers.parallel();
   const gdn::KernelTable& table = gdn::current_table();
   std::vector<double> ms;
@@ -197,13 +229,16 @@ int main(int argc, char** argv) {
     table.recurrent(r, par);
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (c >= 5) ms.push_back(dt);
+    if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
   // Bytes of state: every row reads its start slot and writes one slot per token.
   const double bytes = double(B) * double(1 + nq) * double(slot_bytes);
-  std::printf("%s recurrent B=%d tokens=%d state=%s threads=%d: median %.3f ms (p10 %.3f, p90 %.3f), %.1f GB/s\n",
-              gdn::selected_isa().c_str(), B, nq, bf16_state ? "bf16" : "f32", threads, med, ms[ms.size() / 10],
+  std::printf("%s recurrent B=%d tokens=%d state=%s threads=%d helpers=%s gap=%dus: median %.3f ms (p10 %.3f, "
+              "p90 %.3f), %.1f GB/s\n",
+              gdn::selected_isa().c_str(), B, nq, bf16_state ? "bf16" : "f32", threads,
+              sleep_helpers ? "sleep" : "spin", gap_us, med, ms[ms.size() / 10],
               ms[ms.size() * 9 / 10], bytes / med / 1e6);
   return 0;
 }
