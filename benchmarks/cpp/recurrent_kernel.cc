@@ -42,7 +42,9 @@ inline void relax() {
 }
 
 // Caller-helps parallel-for on helpers that spin for the next job, or (sleep) wait for it on a
-// condition variable (ranges of n / (4 threads)).
+// condition variable (ranges of n / (4 threads)). The caller's join waits for every helper, also
+// one that wakes after the last range (parallel.cc's waits only for claimed ranges): if anything,
+// sleeping helpers are timed pessimistically.
 class Workers {
  public:
   Workers(int threads, bool sleep) : threads_(threads), sleep_(sleep) {
