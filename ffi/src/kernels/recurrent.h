@@ -65,9 +65,8 @@ struct RecGroup {
 // was prefetched by the previous block's fused pass (rec_pass). stash (kStash): the block as
 // read, widened to f32 (row stride kRecBlock), so that the first token's pass reads it without
 // widening every element a second time.
-template <int NV, bool kFull, bool kStash = false, class Src>
-GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv,
-                        float* stash = nullptr) {
+template <int NV, bool kFull, bool kStash, class Src>
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv, float* stash) {
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
   int64_t k = 0;
