@@ -80,12 +80,13 @@ inline void vstream_fence() { _mm_sfence(); }
 
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU. vexp clamps -x to <= 88.7, so below
 // x = -88 (true value under 1e-36 in magnitude) the quotient would be x / 3.4e38, not ~0:
-// those lanes are zeroed; a NaN x stays NaN. (rcp14ps + a Newton step instead of the
-// division measured slower on a Sapphire Rapids host: ffi/README.md, "Causal conv1d".)
+// those lanes become x * 0, which is -0, and NaN for x = -Inf as in float64 (-Inf / Inf) and
+// the other back ends; a NaN x stays NaN. (rcp14ps + a Newton step instead of the division
+// measured slower on a Sapphire Rapids host: ffi/README.md, "Causal conv1d".)
 inline VF vsilu(VF a) {
   const __m512 d = _mm512_add_ps(vexp(vzero() - a).v, _mm512_set1_ps(1.f));
-  const __mmask16 keep = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(-88.f), _CMP_NLT_UQ);
-  return {_mm512_maskz_div_ps(keep, a.v, d)};
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(-88.f), _CMP_LT_OQ);
+  return {_mm512_mask_mul_ps(_mm512_div_ps(a.v, d), tiny, a.v, _mm512_setzero_ps())};
 }
 // SiLU for a bf16-rounded result: the full one. The cheaper form of vec_avx2.h / vec_neon.h is
 // not written for AVX-512, which no machine here can run to test it.
