@@ -23,6 +23,12 @@ inline void store1(bf16* p, float x) { *p = to_bf16(x); }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+// The bf16-output SiLU of the vector back ends (vsilu_bf16: vec_avx2.h, vec_avx512.h,
+// vec_neon.h): -log2(e), and 2^f on [-0.5, 0.5] as a degree-5 relative-minimax polynomial,
+// highest degree first (7.5e-8; ffi/README.md, "bf16 outputs").
+constexpr float kNegLog2e = -1.44269504088896341f;
+constexpr float kExp2Poly5[6] = {1.327647129e-3f, 9.675540961e-3f, 5.550713092e-2f,
+                                 2.402212024e-1f, 6.931469440e-1f, 1.000000119e+0f};
 
 // Per-thread scratch of T, allocated on a thread's first call (grown if a later call needs
 // more) and freed at thread exit: no allocation per call. 64-byte aligned. Tag keeps the

@@ -153,15 +153,15 @@ inline VF vsilu(VF a) { return {silu8(a.lo), silu8(a.hi)}; }
 // 2^n is +Inf (exponent field 255), so x < -88.37 gives x / Inf = -0 (true value below 4e-37);
 // NaN stays NaN.
 inline __m256 silu8_bf16(__m256 x) {
-  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(-1.44269504088896341f));
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kNegLog2e));
   t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.f)), _mm256_set1_ps(128.f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.327647129e-3f), f, _mm256_set1_ps(9.675540961e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550713092e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402212024e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931469440e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000119e+0f));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExp2Poly5[0]), f, _mm256_set1_ps(kExp2Poly5[1]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly5[2]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly5[3]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly5[4]));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly5[5]));
   const __m256 d = _mm256_fmadd_ps(p, pow2_8(_mm256_cvtps_epi32(n)), _mm256_set1_ps(1.f));  // 1 + e^-x
   return _mm256_div_ps(x, d);
 }

@@ -94,15 +94,15 @@ inline VF vsilu(VF a) {
 // by scalef. t = 128 scales to +Inf, so x < -88.37 gives x / Inf = -0 and x = -Inf gives NaN;
 // NaN stays NaN (the clamp loses it, x keeps it).
 inline VF vsilu_bf16(VF a) {
-  __m512 t = _mm512_mul_ps(a.v, _mm512_set1_ps(-1.44269504088896341f));
+  __m512 t = _mm512_mul_ps(a.v, _mm512_set1_ps(kNegLog2e));
   t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(128.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.327647129e-3f), f, _mm512_set1_ps(9.675540961e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212024e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119e+0f));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExp2Poly5[0]), f, _mm512_set1_ps(kExp2Poly5[1]));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly5[2]));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly5[3]));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly5[4]));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly5[5]));
   const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));  // 1 + e^-x
   return {_mm512_div_ps(a.v, d)};
 }

@@ -111,19 +111,19 @@ inline void vstream_fence() {}
 
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
 inline VF vsilu(VF a) { return a / (vset1(1.f) + vexp(vzero() - a)); }
-// SiLU for a result rounded to bf16 next: the algorithm and constants of vec_avx2.h's
-// silu8_bf16 (2^t with a degree-5 polynomial, one division; relative error <= 3.6e-6), fewer
+// SiLU for a result rounded to bf16 next: the algorithm of vec_avx2.h's silu8_bf16 (constants:
+// scalar.h) (2^t with a degree-5 polynomial, one division; relative error <= 3.6e-6), fewer
 // operations than vsilu's full-range exp. FMAX/FMIN propagate a NaN, so NaN stays NaN.
 inline float32x4_t silu4_bf16(float32x4_t x) {
-  float32x4_t t = vmulq_f32(x, vdupq_n_f32(-1.44269504088896341f));
+  float32x4_t t = vmulq_f32(x, vdupq_n_f32(kNegLog2e));
   t = vminq_f32(vmaxq_f32(t, vdupq_n_f32(-126.f)), vdupq_n_f32(128.f));
   const float32x4_t n = vrndnq_f32(t);
   const float32x4_t f = vsubq_f32(t, n);
-  float32x4_t p = vfmaq_f32(vdupq_n_f32(9.675540961e-3f), vdupq_n_f32(1.327647129e-3f), f);
-  p = vfmaq_f32(vdupq_n_f32(5.550713092e-2f), p, f);
-  p = vfmaq_f32(vdupq_n_f32(2.402212024e-1f), p, f);
-  p = vfmaq_f32(vdupq_n_f32(6.931469440e-1f), p, f);
-  p = vfmaq_f32(vdupq_n_f32(1.000000119e+0f), p, f);
+  float32x4_t p = vfmaq_f32(vdupq_n_f32(kExp2Poly5[1]), vdupq_n_f32(kExp2Poly5[0]), f);
+  p = vfmaq_f32(vdupq_n_f32(kExp2Poly5[2]), p, f);
+  p = vfmaq_f32(vdupq_n_f32(kExp2Poly5[3]), p, f);
+  p = vfmaq_f32(vdupq_n_f32(kExp2Poly5[4]), p, f);
+  p = vfmaq_f32(vdupq_n_f32(kExp2Poly5[5]), p, f);
   const float32x4_t s = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
   return vdivq_f32(x, vfmaq_f32(vdupq_n_f32(1.f), p, s));  // x / (1 + e^-x); 2^128 = +Inf
 }
