@@ -46,6 +46,7 @@ import gdn_jax  # noqa: E402
 from gdn_jax import ops  # noqa: E402
 
 import report  # noqa: E402
+import step_overhead  # noqa: E402
 import roofline  # noqa: E402
 import vllm_compare as vc  # noqa: E402
 
@@ -657,6 +658,13 @@ def layer_cases(quick):
     return out
 
 
+def step_overhead_name(case):
+    """benchmarks/step_overhead.py's name of a layer case (decode_b8 fp32 -> decode_b8_f32)."""
+    if case["case"].startswith("prefill"):
+        return case["case"]
+    return f"{case['case']}_{'f32' if case['state'] == 'fp32' else 'bf16'}"
+
+
 def run_layer(quick, target, baseline_path, no_wait):
     bl = load_baseline(baseline_path)
     if bl is None:
@@ -703,12 +711,17 @@ def run_layer(quick, target, baseline_path, no_wait):
         ours, inter = row["native"], row["native_interleaved"]
         del call
         gc.collect()
+        # The step and its kernels timed in turns: the ratio a drifting host does not move.
+        row["paired_kernels"] = step_overhead.paired_step_kernels(
+            step_overhead_name(case), target * (4 if case["unit"] == "flops" else 1))
+        gc.collect()
         rows.append(row)
         extra = (f"  jnp {row['jnp_baseline']['median_ms']:9.3f} ms  x{row['speedup_vs_jnp_baseline']:.2f}"
                  if "jnp_baseline" in row else "")
         print(f"[layer {n}/{len(all_cases)} {time.perf_counter() - _RUN_T0[0]:5.0f} s] {row['case']:14s} {row['state']:5s} "
               f"gdn_jax {ours['median_ms']:9.3f} ms  interleaved {inter['median_ms']:9.3f} ms "
-              f"(x{row['interleaved_over_b2b']:.2f} its back-to-back pair){extra}", flush=True)
+              f"(x{row['interleaved_over_b2b']:.2f} its back-to-back pair)  step / kernels "
+              f"x{row['paired_kernels']['step_over_kernels']:.2f} (paired){extra}", flush=True)
     return rows
 
 

@@ -76,8 +76,10 @@ def composed(cfg, kind):
     return jax.jit(step, donate_argnames="cache")
 
 
-def case(name, rng):
-    """(calls: dict name -> no-arg call, kernels: names summed as 'its kernels')."""
+def case(name, rng, with_composed=True):
+    """(calls: dict name -> no-arg call, kernels: names summed as 'its kernels'). Names: decode_b<B>_f32|bf16,
+    spec_8x4_f32|bf16, prefill_<T> or prefill_<S>x<T> (S sequences of T tokens), mixed_<T>. with_composed=False
+    leaves out the op composition (a second cache)."""
     if name.startswith("decode") or name.startswith("spec"):
         sd = jnp.bfloat16 if name.endswith("bf16") else jnp.float32
         if name.startswith("decode"):
@@ -104,8 +106,9 @@ def case(name, rng):
         params = GDNParams.random(cfg, jax.random.key(0))
         attn = GDNAttention(cfg, impl="native")
         calls = {"step": Cycle(getattr(attn, f"{kind}_with_status"), (x, b, a, params), GDNCache.create(cfg, N),
-                               metas, 4),
-                 "composed": Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)}
+                               metas, 4)}
+        if with_composed:
+            calls["composed"] = Cycle(composed(cfg, kind), (x, b, a, params), GDNCache.create(cfg, N), metas, 4)
         # The kernels as ops on the same shapes, their own pools, the same slot sets.
         conv_pool = zeros_pool(cfg.conv_state_shape(N), jnp.bfloat16)
         ssm_pool = zeros_pool(cfg.ssm_state_shape(N), sd)
@@ -123,18 +126,22 @@ def case(name, rng):
         calls["recurrence"] = Cycle(rec, (), ssm_pool, [m.state_indices for m in metas], 0)
         kernels = ("conv_update", "recurrence")
     elif name.startswith("mixed"):
-        return mixed_case(name, rng)
+        return mixed_case(name, rng, with_composed)
     else:
-        T = int(name.split("_")[1])
+        shape = name.split("_")[1]
+        S, n = (int(v) for v in shape.split("x")) if "x" in shape else (1, int(shape))
+        T = S * n
         cfg = _cfg(0, jnp.float32)
-        N = 3
-        hb = build_batch([Request.prefill(1, T)], num_slots=N, num_spec=0, token_bucket=T, row_bucket=1)
+        N = S + 2
+        hb = build_batch([Request.prefill(1 + i, n) for i in range(S)], num_slots=N, num_spec=0, token_bucket=T,
+                         row_bucket=S)
         meta = hb.metadata.to_device()
         x, b, a = _rnd(rng, (T, D)), _rnd(rng, (T, HV)), _rnd(rng, (T, HV))
         params = GDNParams.random(cfg, jax.random.key(0))
         attn = GDNAttention(cfg, impl="native")
-        calls = {"step": Cycle(attn.prefill_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
-                 "composed": Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
+        calls = {"step": Cycle(attn.prefill_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
+        if with_composed:
+            calls["composed"] = Cycle(composed(cfg, "prefill"), (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)
         qsl, idx, hs = meta.query_start_loc, meta.state_indices[:, 0], meta.has_initial_state
         conv = jax.jit(lambda x, pool: ops.causal_conv1d_fwd(
             x, weight=params.conv_weight, bias=None, conv_state=pool, query_start_loc=qsl, state_indices=idx,
@@ -154,7 +161,7 @@ def case(name, rng):
     return _with_empty(calls), kernels
 
 
-def mixed_case(name, rng):
+def mixed_case(name, rng, with_composed=True):
     """gdn_attention_core over a T-token bucket: one prefill row of T - 8 tokens and 8 decode rows
     (f32 state): the step kind whose composition summed two masked outputs of T x D and T x HV x V.
     Its kernels: conv_fwd + conv_update + gating + chunk + recurrence on the rows they own."""
@@ -167,9 +174,10 @@ def mixed_case(name, rng):
     x, b, a = _rnd(rng, (T, D)), _rnd(rng, (T, HV)), _rnd(rng, (T, HV))
     params = GDNParams.random(cfg, jax.random.key(0))
     attn = GDNAttention(cfg, impl="native")
-    calls = {"step": Cycle(attn.gdn_attention_core_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4),
-             "composed": Cycle(composed(cfg, "gdn_attention_core"), (x, b, a, params), GDNCache.create(cfg, N),
-                               [meta], 4)}
+    calls = {"step": Cycle(attn.gdn_attention_core_with_status, (x, b, a, params), GDNCache.create(cfg, N), [meta], 4)}
+    if with_composed:
+        calls["composed"] = Cycle(composed(cfg, "gdn_attention_core"), (x, b, a, params), GDNCache.create(cfg, N),
+                                  [meta], 4)
     # Prefill kernels on the prefill tokens, decode kernels on the 8 decode tokens (rows in vLLM's
     # order: decode rows first).
     dec, pre = slice(0, 8), slice(8, T)
@@ -242,6 +250,21 @@ def paired(times, num, den):
     """Median over rounds of num's time / the sum of den's times in the same round: the load a
     shared host adds drifts slowly, and a round's calls run within milliseconds of each other."""
     return float(np.median(times[num] / sum(times[d] for d in den)))
+
+
+def paired_step_kernels(name, target_s, rng=None, min_iters=7):
+    """The step / its kernels ratio of one case, timed in turns (benchmarks/run.py's layer section):
+    median over rounds of step / (sum of its kernels) and of step / (kernels + an empty jitted call),
+    with the medians (ms) of each call. The paired ratio is the one a shared host does not move: a
+    step and its kernels timed minutes apart (ops and layer sections) differ by the host's drift."""
+    calls, kernels = case(name, np.random.default_rng(0) if rng is None else rng, with_composed=False)
+    med, _, times, _ = measure(calls, target_s, min_iters=min_iters)
+    out = dict(case=name, kernels=list(kernels), rounds=int(len(times["step"])), step_ms=med["step"],
+               kernel_ms={k: med[k] for k in kernels}, empty_ms=med["empty"],
+               step_over_kernels=paired(times, "step", kernels),
+               step_over_kernels_plus_empty=paired(times, "step", kernels + ("empty",)))
+    del calls
+    return out
 
 
 CASES = ["decode_b1_f32", "decode_b8_f32", "decode_b8_bf16", "spec_8x4_f32", "spec_8x4_bf16", "prefill_2048",
