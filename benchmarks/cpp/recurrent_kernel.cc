@@ -3,7 +3,8 @@
 // unless --huge-pages 0, like gdn_jax.zeros_pool), threads of its own that spin between calls
 // (no wake-up cost; --helpers sleep: they wait on a condition variable instead, as XLA's pool
 // threads do once idle, and --gap-us sleeps between calls), a fresh slot set per call. Prints
-// the median.
+// the median. --pool-mib M sizes the pool (at least one slot set): one set that stays in the LLC
+// tells the kernel's own speed from the memory's.
 // For A/B work on the kernel, where a jitted op's time moves more with the host than with the
 // change (ffi/README.md, "Recurrent decode / spec", Prefetch). Built with the core tests
 // (`make test-core`: build/dev/gdn_recurrent_kernel_bench), or alone:
@@ -131,7 +132,8 @@ int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--batch B] [--tokens T (per row; > 1: spec verify)] [--state f32|bf16] "
                "[--threads N] [--calls C] [--huge-pages 1|0 (default 1: the pool advised as THP, like gdn_jax.zeros_pool)] "
-               "[--helpers spin|sleep (default spin)] [--gap-us G (sleep between calls, default 0)]\n",
+               "[--helpers spin|sleep (default spin)] [--gap-us G (sleep between calls, default 0)] "
+               "[--pool-mib M (default 128: 4x a 32 MiB LLC)]\n",
                argv0);
   return 2;
 }
@@ -143,6 +145,7 @@ int main(int argc, char** argv) {
   bool bf16_state = false, huge_pages = true;  // like the pools GDNCache.create makes
   bool sleep_helpers = false;
   int gap_us = 0;
+  int64_t pool_mib = 128;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (i + 1 >= argc) return usage(argv[0]);
@@ -154,15 +157,16 @@ int main(int argc, char** argv) {
     else if (a == "--huge-pages") huge_pages = std::atoi(v) != 0;
     else if (a == "--helpers" && (std::string(v) == "spin" || std::string(v) == "sleep")) sleep_helpers = std::string(v) == "sleep";
     else if (a == "--gap-us") gap_us = std::atoi(v);
+    else if (a == "--pool-mib") pool_mib = std::atoll(v);
     else if (a == "--state" && (std::string(v) == "f32" || std::string(v) == "bf16")) bf16_state = std::string(v) == "bf16";
     else return usage(argv[0]);
   }
-  if (B < 1 || nq < 1 || threads < 1 || calls < 1 || gap_us < 0) return usage(argv[0]);
+  if (B < 1 || nq < 1 || threads < 1 || calls < 1 || gap_us < 0 || pool_mib < 1) return usage(argv[0]);
   // Qwen3-Next-80B per-layer shapes, bf16 activations.
   const int64_t H = 16, HV = 32, K = 128, V = 128, T = int64_t(B) * nq;
   const size_t slot_bytes = size_t(HV * K * V) * (bf16_state ? 2 : 4);
   const int64_t per_call = int64_t(B) * nq;
-  int64_t N = std::max<int64_t>(per_call, int64_t((4ull << 25) / slot_bytes));
+  int64_t N = std::max<int64_t>(per_call, int64_t((uint64_t(pool_mib) << 20) / slot_bytes));
   N = N / per_call * per_call;
   // Page-aligned like XLA's buffers (the kernel streams only to 64-byte aligned slots), zeroed:
   // every page faulted in before the timing.
@@ -237,10 +241,10 @@ int main(int argc, char** argv) {
   const double med = ms[ms.size() / 2];
   // Bytes of state: every row reads its start slot and writes one slot per token.
   const double bytes = double(B) * double(1 + nq) * double(slot_bytes);
-  std::printf("%s recurrent B=%d tokens=%d state=%s threads=%d helpers=%s gap=%dus: median %.3f ms (p10 %.3f, "
-              "p90 %.3f), %.1f GB/s\n",
+  std::printf("%s recurrent B=%d tokens=%d state=%s threads=%d helpers=%s gap=%dus pool=%.0fMiB: median %.3f ms "
+              "(p10 %.3f, p90 %.3f), %.1f GB/s\n",
               gdn::selected_isa().c_str(), B, nq, bf16_state ? "bf16" : "f32", threads,
-              sleep_helpers ? "sleep" : "spin", gap_us, med, ms[ms.size() / 10],
+              sleep_helpers ? "sleep" : "spin", gap_us, double(pool_bytes) / double(1 << 20), med, ms[ms.size() / 10],
               ms[ms.size() * 9 / 10], bytes / med / 1e6);
   return 0;
 }
