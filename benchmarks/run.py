@@ -46,8 +46,8 @@ import gdn_jax  # noqa: E402
 from gdn_jax import ops  # noqa: E402
 
 import report  # noqa: E402
-import step_overhead  # noqa: E402
 import roofline  # noqa: E402
+import step_overhead  # noqa: E402
 import vllm_compare as vc  # noqa: E402
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
@@ -199,33 +199,25 @@ def case_decode_pool(rng, B, N, impl):
 
 
 def pool_size_pair(target_s, B=8, n_small=64, n_large=2048, min_rounds=7):
-    """The decode_pool cases at N = n_small and n_large timed in turns (one call of each per round):
-    the median over rounds of t(n_large) / t(n_small), and each side's median (ms). Two rows timed
-    minutes apart differ by the host's drift; a round's two calls see the same host."""
-    sides = []
-    for n in (n_small, n_large):
+    """The decode_pool cases at N = n_small and n_large timed in turns (step_overhead.measure: one
+    call of each per round): the median over rounds of t(n_large) / t(n_small), and each side's
+    median (ms). Two rows timed minutes apart differ by the host's drift; a round's two calls see
+    the same host."""
+    def threaded(n):
         fn, fargs, didx, _, _, _ = case_decode_pool(np.random.default_rng(0), B, n, "native")
-        sides.append([fn, list(fargs), didx])
-    for fn, fargs, didx in sides:  # compile and warm
-        for _ in range(2):
+        fargs = list(fargs)
+
+        def call():
             out = fn(*fargs)
             jax.block_until_ready(out)
-            fargs[didx] = out[1]
-    times = [[], []]
-    t_end = time.perf_counter() + target_s
-    r = 0
-    while r < min_rounds or time.perf_counter() < t_end:
-        for j in ((0, 1) if r % 2 == 0 else (1, 0)):
-            fn, fargs, didx = sides[j]
-            t0 = time.perf_counter()
-            out = fn(*fargs)
-            jax.block_until_ready(out)
-            times[j].append((time.perf_counter() - t0) * 1e3)
-            fargs[didx] = out[1]
-        r += 1
-    a, b = np.asarray(times[0]), np.asarray(times[1])
-    return dict(n_small=n_small, n_large=n_large, rounds=r, small_ms=float(np.median(a)),
-                large_ms=float(np.median(b)), large_over_small=float(np.median(b / a)))
+            fargs[didx] = out[1]  # the donated pool
+
+        return call
+
+    calls = {"small": threaded(n_small), "large": threaded(n_large)}
+    med, _, times, _ = step_overhead.measure(calls, target_s, min_iters=min_rounds)
+    return dict(n_small=n_small, n_large=n_large, rounds=int(len(times["large"])), small_ms=med["small"],
+                large_ms=med["large"], large_over_small=step_overhead.paired(times, "large", ("small",)))
 
 
 def case_spec(rng, S, Q, state_dtype, impl, cold=True):

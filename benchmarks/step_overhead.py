@@ -263,7 +263,6 @@ def paired_step_kernels(name, target_s, rng=None, min_iters=7):
                kernel_ms={k: med[k] for k in kernels}, empty_ms=med["empty"],
                step_over_kernels=paired(times, "step", kernels),
                step_over_kernels_plus_empty=paired(times, "step", kernels + ("empty",)))
-    del calls
     return out
 
 
