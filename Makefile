@@ -46,7 +46,7 @@ test: build test-core
 # AddressSanitizer + UndefinedBehaviorSanitizer (the sanitized aarch64 build and the sanitized
 # extension are `make test-sanitize`: too long for every CI run on 2 cores).
 test-core: build
-	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target gdn_core_tests gdn_recurrent_kernel_bench
+	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target gdn_core_tests gdn_recurrent_kernel_bench gdn_conv_kernel_bench
 	CMAKE=$(abspath $(VENV)/bin/cmake) CORE_BUILD=$(BUILD) tests/cpp/run_core_tests.sh
 	CMAKE=$(abspath $(VENV)/bin/cmake) PY=$(PY) GDN_SAN_CORE_ONLY=1 GDN_SKIP_ARM=1 tests/cpp/run_sanitize.sh
 

@@ -203,7 +203,7 @@ void check_row_filter(const std::string& what, Args p, int64_t token_bytes, cons
 
 
 void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool has_bias, std::mt19937& rng) {
-  const int64_t D = 72, N = 5, num_spec = 2, L = W - 1 + num_spec;
+  const int64_t D = 72, N = 5, num_spec = 6, L = W - 1 + num_spec;
   const std::vector<int32_t> lens = {5, 0, 2, 9};
   const int64_t S = int64_t(lens.size());
   std::vector<int32_t> qsl(S + 1, 0);
@@ -258,20 +258,21 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
   check_row_filter("conv_fwd, row filter " + tag, p, D * es, st0, y, st, conv_bufs,
                    [&](const ConvArgs& m) { kt.conv_fwd(m, Parallel{}); });
 
-  // Spec rolling-buffer update on the state just written: rows q = {3, 1, 2}, acc = {2, 1, 3}.
-  const std::vector<int32_t> q2 = {3, 1, 2}, acc = {2, 1, 3}, idx2 = {0, 4, 3};
-  std::vector<int32_t> qsl2 = {0, 3, 4, 6};
-  const int64_t T2 = 6;
+  // Spec rolling-buffer update on the state just written: rows q = {3, 1, 2, 7}, acc = {2, 1, 3, 2}
+  // (7 tokens: more than one of the kernel's runs of 4).
+  const std::vector<int32_t> q2 = {3, 1, 2, 7}, acc = {2, 1, 3, 2}, idx2 = {0, 4, 3, 2};
+  std::vector<int32_t> qsl2 = {0, 3, 4, 6, 13};
+  const int64_t T2 = 13, S2 = 4;
   Act x2(T2 * D, rng);
   std::vector<double> base = read_act(st.data(), act, N * L * D);
   std::vector<uint8_t> y2(T2 * D * 4, 0);
   ConvArgs u = p;
-  u.x = x2.ptr(act); u.y = y2.data(); u.T = T2; u.S = 3; u.query_start_loc = qsl2.data();
+  u.x = x2.ptr(act); u.y = y2.data(); u.T = T2; u.S = S2; u.query_start_loc = qsl2.data();
   u.state_indices = idx2.data(); u.has_initial_state = nullptr; u.num_accepted = acc.data();
   const std::vector<uint8_t> st1 = st;
   kt.conv_update(u, Parallel{});
   std::vector<double> y2r(T2 * D, 0.0), s2r = base;
-  for (int64_t r = 0; r < 3; ++r) {
+  for (int64_t r = 0; r < S2; ++r) {
     std::vector<double> ext((W - 1 + q2[r]) * D);
     for (int64_t i = 0; i < W - 1; ++i)
       for (int64_t c = 0; c < D; ++c) ext[i * D + c] = base[at(idx2[r], acc[r] - 1 + i, c)];

@@ -2,7 +2,7 @@
 # The C++ kernel-core tests: natively (every ISA this CPU has), then cross-compiled for
 # aarch64 and run under qemu-aarch64 with a BF16 CPU model (neon_bf16, neon, generic) and
 # with one lacking BF16 (neon, generic). Installs the cross compiler and qemu-user if missing.
-# CORE_BUILD: a build directory where gdn_core_tests and gdn_recurrent_kernel_bench are built
+# CORE_BUILD: a build directory where gdn_core_tests and the two kernel benchmarks are built
 # already (`make test-core` passes the extension's, which shares the kernel library); without
 # it the native tests are configured and built in build/core.
 set -euo pipefail
@@ -16,9 +16,11 @@ if [ -z "$CORE_BUILD" ]; then
 fi
 echo "== native ($(uname -m))"
 "$CORE_BUILD/gdn_core_tests" | tail -n 1
-# The kernel benchmark built beside them must run (benchmarks/README.md); 3 calls, not timed.
+# The kernel benchmarks built beside them must run (benchmarks/README.md); 3 calls, not timed.
 "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --tokens 2 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --pool-mib 1 --calls 3 >/dev/null
+"$CORE_BUILD/gdn_conv_kernel_bench" --tokens 5 --batch 3 --dim 40 --calls 3 >/dev/null
+"$CORE_BUILD/gdn_conv_kernel_bench" --act f32 --tokens 5 --batch 3 --dim 40 --calls 3 >/dev/null
 
 if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then echo "== aarch64: skipped (GDN_SKIP_ARM=1)"; exit 0; fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then

@@ -19,7 +19,7 @@
 constexpr int64_t kConvTokBlock = 64;    // prefill item: tokens x kConvChanBlock channels
 constexpr int64_t kConvChanBlock = 256;  // channels per item (prefill and update)
 constexpr int64_t kConvRowGroup = 8;     // update item: rows x kConvChanBlock channels
-constexpr int64_t kConvRun = 4;          // prefill: tokens per register-window run
+constexpr int64_t kConvRun = 4;          // tokens per register-window run (prefill, spec update)
 
 // --- helpers ------------------------------------------------------------------------------
 
@@ -117,8 +117,9 @@ inline void conv_zero_rows(T* y, int64_t D, int64_t t0, int64_t t1, int64_t c0, 
 // token t (unused ones zero); tap i is at wtc[i * kConvChanBlock]; x rows are D apart, y rows
 // y_ld. The window is kept in named variables rather than an array: GCC 12 spills a rotated
 // array of VF through the stack and general registers (and ICEs in SRA on some shapes of it).
-template <class T, int W, bool SILU, bool FULL>
-inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp, T* yp, int64_t D,
+// Y = float with SILU false: the f32 pre-activations, for conv_act_rows (see there).
+template <class T, int W, bool SILU, bool FULL, class Y = T>
+inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp, Y* yp, int64_t D,
                         int64_t y_ld, int64_t count, int n) {
   static_assert(W >= 1 && W <= 4, "conv_tokens handles W <= 4");
   const VF u0 = vload(wtc + (W - 1) * kConvChanBlock);  // u_k multiplies x~[t-k]
@@ -139,6 +140,21 @@ inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp
     acc = conv_act<SILU, T>(acc);
     if (FULL) vstore(yp, acc);
     else vstore_n(yp, acc, n);
+  }
+}
+
+// The activation of `rows` rows of nc pre-activations (f32, rows buf_ld apart) into y (rows
+// y_ld apart). A separate loop over a buffer, not inside conv_tokens: with one or few tokens per
+// vector (decode, spec) the SiLU's ~40-operation dependency chain per vector ran back to back
+// with the next vector's loads and taps, and its constants were re-broadcast per vector; here
+// the iterations are independent and the constants stay in registers (ffi/README.md, "Causal
+// conv1d", the activation pass). Same bits as conv_act inside conv_tokens.
+template <class T, bool SILU>
+inline void conv_act_rows(const float* buf, int64_t buf_ld, T* y, int64_t y_ld, int64_t rows, int64_t nc) {
+  for (int64_t r = 0; r < rows; ++r, buf += buf_ld, y += y_ld) {
+    int64_t c = 0;
+    for (; c + kLanes <= nc; c += kLanes) vstore(y + c, conv_act<SILU, T>(vload(buf + c)));
+    if (c < nc) vstore_n(y + c, conv_act<SILU, T>(vload_n(buf + c, int(nc - c))), int(nc - c));
   }
 }
 
@@ -163,13 +179,25 @@ template <class T, int W, bool SILU>
 GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, int64_t t, int64_t e, int64_t c0,
                                 int64_t c1, T* yr, int64_t y_ld) {
   const T* x = static_cast<const T*>(p.x);
-  const int64_t D = p.D, start = p.query_start_loc[s];
+  const int64_t D = p.D, start = p.query_start_loc[s], nc = c1 - c0;
   const T* st = static_cast<const T*>(p.conv_state) + p.state_indices[s] * p.slot_stride;
   const bool init = p.has_initial_state[s];
   const float* bt = wt + W * kConvChanBlock;
+  // With the SiLU a run's pre-activations go through pre and conv_act_rows (see there).
+  alignas(64) float pre[SILU ? kConvRun * kConvChanBlock : 1];
+  using Y = std::conditional_t<SILU, float, T>;
   for (int64_t u = t; u < e; u += kConvRun, yr += kConvRun * y_ld) {
     const int64_t count = e - u < kConvRun ? e - u : kConvRun;
     const T* xr = x + u * D;
+    Y* out;
+    int64_t out_ld;
+    if constexpr (SILU) {
+      out = pre;
+      out_ld = kConvChanBlock;
+    } else {
+      out = yr;
+      out_ld = y_ld;
+    }
     if (u - (W - 1) >= start) {  // window inside the sequence: straight from the x rows above
       int64_t c = c0;
       for (; c + kLanes <= c1; c += kLanes) {
@@ -178,8 +206,8 @@ GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, i
         if constexpr (W >= 2) e1 = vload(xp - D);
         if constexpr (W >= 3) e2 = vload(xp - 2 * D);
         if constexpr (W >= 4) e3 = vload(xp - 3 * D);
-        conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + (c - c0), D, y_ld,
-                                      count, kLanes);
+        conv_tokens<T, W, false, true, Y>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, out + (c - c0), D,
+                                          out_ld, count, kLanes);
       }
       if (c < c1) {
         const int n = int(c1 - c);
@@ -188,8 +216,8 @@ GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, i
         if constexpr (W >= 2) e1 = vload_n(xp - D, n);
         if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
         if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
-        conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, yr + (c - c0), D, y_ld,
-                                       count, n);
+        conv_tokens<T, W, false, false, Y>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, out + (c - c0), D,
+                                           out_ld, count, n);
       }
     } else {  // the window reaches into the prior (state rows or zeros)
       for (int64_t c = c0; c < c1; c += kLanes) {
@@ -198,10 +226,11 @@ GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, i
         if constexpr (W >= 2) e1 = conv_fwd_xt(p, x, st, start, init, u - 1, c, n);
         if constexpr (W >= 3) e2 = conv_fwd_xt(p, x, st, start, init, u - 2, c, n);
         if constexpr (W >= 4) e3 = conv_fwd_xt(p, x, st, start, init, u - 3, c, n);
-        conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xr + c, yr + (c - c0), D, y_ld,
-                                       count, n);
+        conv_tokens<T, W, false, false, Y>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xr + c, out + (c - c0),
+                                           D, out_ld, count, n);
       }
     }
+    if constexpr (SILU) conv_act_rows<T, true>(pre, kConvChanBlock, yr, y_ld, count, nc);
   }
 }
 
@@ -399,19 +428,45 @@ inline void conv_fwd(const ConvArgs& p, const Parallel& par) {
 
 // --- decode / spec rolling buffer ---------------------------------------------------------
 
-// One update item: rows [s0, s1) x channels [c0, c1). Per row and 16-channel vector: the
-// window = slot rows [acc-1, acc-1+W-1) is read into registers, the outputs over
-// window ++ x_row are computed, then rows [0, W-2+q) = window[1:] ++ x_row are written.
-// The window is in registers before the rewrite, and each item owns its channels of the
-// row's slot (slots are distinct), so the in-place rewrite never feeds back into a read.
+// The first run of an update row in the SD layout, full vectors [c0, cf) (the plain decode's
+// whole work): the general loop of conv_update_block with its layout, run and tail branches
+// taken out. slot: the row's slot (channel 0); out / out_ld: where conv_tokens writes (channel
+// c0). Same operations in the same order as the general loop, so the same bits.
+template <class T, int W, class Y>
+inline void conv_update_sd_first(const float* wt, T* slot, int64_t ts, int64_t acc, const T* xr, int64_t D,
+                                 int64_t q, int64_t count, Y* out, int64_t out_ld, int64_t c0, int64_t cf) {
+  const float* bt = wt + W * kConvChanBlock;
+  for (int64_t c = c0; c < cf; c += kLanes) {
+    T* st = slot + c;
+    const T* win = st + (acc - 1) * ts;
+    VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+    if constexpr (W >= 2) e1 = vload(win + (W - 2) * ts);
+    if constexpr (W >= 3) e2 = vload(win + (W - 3) * ts);
+    if constexpr (W >= 4) e3 = vload(win + (W - 4) * ts);
+    conv_tokens<T, W, false, true, Y>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xr + c, out + (c - c0), D,
+                                      out_ld, count, kLanes);
+    for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, kLanes);
+    for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_copy_vec(st + (W - 2 + k) * ts, xr + k * D + c, kLanes);
+  }
+}
+
+// One update item: rows [s0, s1) x channels [c0, c1). Per row, in runs of up to kConvRun
+// tokens: per 16-channel vector the window (first run: slot rows [acc-1, acc-1+W-1); later
+// runs: the x rows above) is loaded into registers and the run's outputs computed (with the
+// SiLU: into pre, then conv_act_rows). In the first run each vector then rewrites its slot
+// rows [0, W-2+q) = window[1:] ++ x_row: the window is in registers before the rewrite, and
+// each item owns its channels of the row's slot (slots are distinct), so the in-place rewrite
+// never feeds back into a read; later runs read only x.
 template <class T, int W, bool SILU>
 GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+  static_assert(kConvRun >= W - 1, "a later run's window lies in x");
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int64_t D = p.D, ts = p.time_stride, cs = p.chan_stride;
+  const int64_t D = p.D, ts = p.time_stride, cs = p.chan_stride, nc = c1 - c0;
   alignas(64) float wt[conv_param_rows(W) * kConvChanBlock];
   conv_params_t<W>(p, c0, c1, wt);
   const float* bt = wt + W * kConvChanBlock;
+  alignas(64) float pre[SILU ? kConvRun * kConvChanBlock : 1];
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
     if (q == 0 || !p.rows.owns(s)) continue;
@@ -421,29 +476,60 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
       continue;
     }
     const int64_t acc = p.num_accepted[s];
-    for (int64_t c = c0; c < c1; c += kLanes) {
-      const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
-      T* st = static_cast<T*>(p.conv_state) + slot * p.slot_stride + c * cs;
-      const T* win = st + (acc - 1) * ts;  // window[j] = row acc-1+j; e_k = window[W-1-k]
-      VF e1 = vzero(), e2 = vzero(), e3 = vzero();
-      if constexpr (W >= 2) e1 = conv_load_row(win + (W - 2) * ts, cs, n);
-      if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
-      if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
-      const T* xp = x + start * D + c;
-      if (n == kLanes) conv_tokens<T, W, SILU, true>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, D, q, n);
-      else conv_tokens<T, W, SILU, false>(wt + (c - c0), vload(bt + (c - c0)), e3, e2, e1, xp, y + start * D + c, D, D, q, n);
-      // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
-      if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
-        for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
-        for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_copy_vec(st + (W - 2 + k) * ts, xp + k * D, n);
-      } else {
-        if constexpr (W == 4) {
-          conv_store_row(st, cs, e2, n);
-          conv_store_row(st + ts, cs, e1, n);
-        }
-        if constexpr (W == 3) conv_store_row(st, cs, e1, n);
-        for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(xp + k * D, n), n);
+    const T* xr = x + start * D;
+    T* yr = y + start * D;
+    T* slot_base = static_cast<T*>(p.conv_state) + slot * p.slot_stride;
+    for (int64_t u = 0; u < q; u += kConvRun) {
+      const int64_t count = q - u < kConvRun ? q - u : kConvRun;
+      int64_t c = c0;
+      if (u == 0 && cs == 1) {
+        const int64_t cf = c0 + (nc / kLanes) * kLanes;
+        if constexpr (SILU) conv_update_sd_first<T, W>(wt, slot_base, ts, acc, xr, D, q, count, pre, kConvChanBlock, c0, cf);
+        else conv_update_sd_first<T, W>(wt, slot_base, ts, acc, xr, D, q, count, yr + c0, D, c0, cf);
+        c = cf;
       }
+      for (; c < c1; c += kLanes) {
+        const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
+        T* st = slot_base + c * cs;
+        const T* xp = xr + u * D + c;
+        VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+        if (u == 0) {
+          const T* win = st + (acc - 1) * ts;  // window[j] = row acc-1+j; e_k = window[W-1-k]
+          if constexpr (W >= 2) e1 = conv_load_row(win + (W - 2) * ts, cs, n);
+          if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
+          if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
+        } else {  // e_k = x row u - k
+          if constexpr (W >= 2) e1 = vload_n(xp - D, n);
+          if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
+          if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
+        }
+        const VF b = vload(bt + (c - c0));
+        const float* wc = wt + (c - c0);
+        if constexpr (SILU) {
+          float* out = pre + (c - c0);
+          if (n == kLanes) conv_tokens<T, W, false, true, float>(wc, b, e3, e2, e1, xp, out, D, kConvChanBlock, count, n);
+          else conv_tokens<T, W, false, false, float>(wc, b, e3, e2, e1, xp, out, D, kConvChanBlock, count, n);
+        } else {
+          T* yp = yr + u * D + c;
+          if (n == kLanes) conv_tokens<T, W, false, true>(wc, b, e3, e2, e1, xp, yp, D, D, count, n);
+          else conv_tokens<T, W, false, false>(wc, b, e3, e2, e1, xp, yp, D, D, count, n);
+        }
+        if (u > 0) continue;
+        // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
+        const T* x0 = xr + c;
+        if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
+          for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
+          for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_copy_vec(st + (W - 2 + k) * ts, x0 + k * D, n);
+        } else {
+          if constexpr (W == 4) {
+            conv_store_row(st, cs, e2, n);
+            conv_store_row(st + ts, cs, e1, n);
+          }
+          if constexpr (W == 3) conv_store_row(st, cs, e1, n);
+          for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(x0 + k * D, n), n);
+        }
+      }
+      if constexpr (SILU) conv_act_rows<T, true>(pre, kConvChanBlock, yr + u * D + c0, D, count, nc);
     }
   }
 }
