@@ -4,6 +4,8 @@
 // SiLU, W = 4, SD layout, D = --dim (8192, Qwen3-Next). The buffers are written once before
 // timing, so no call faults in pages; after the first calls x, y and the touched slots sit in the
 // caches (the update's slots: B x 48 KiB), so this is the kernel's compute cost per vector.
+// --pool-mib M (M > 0): the update's pool holds M MiB of slots instead, and each call takes the
+// next B slots (a cold pool, as in a serving loop, when M is well above the LLC).
 // Prints the minimum and the median over --calls calls of each, and ns per 16-channel vector
 // (per token for conv_fwd). For A/B work on the kernel: its minimum moves by ~1% between runs
 // where the jitted op's median moves by 10-30% (ffi/README.md, "Causal conv1d", Update). Built
@@ -45,7 +47,7 @@ Times time_calls(F&& f, int calls) {
 int usage(const char* why) {
   std::fprintf(stderr,
                "%s\nusage: gdn_conv_kernel_bench [--tokens T] [--batch B] [--dim D] [--act bf16|f32] "
-               "[--calls N]\n",
+               "[--calls N] [--pool-mib M]\n",
                why);
   return 2;
 }
@@ -55,6 +57,7 @@ int usage(const char* why) {
 int main(int argc, char** argv) {
   int64_t T = 256, B = 8, D = 8192;
   int calls = 200;
+  int64_t pool_mib = 0;
   DType act = DType::bf16;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -64,16 +67,19 @@ int main(int argc, char** argv) {
     else if (a == "--batch") B = std::atoll(v.c_str());
     else if (a == "--dim") D = std::atoll(v.c_str());
     else if (a == "--calls") calls = std::atoi(v.c_str());
+    else if (a == "--pool-mib") pool_mib = std::atoll(v.c_str());
     else if (a == "--act" && (v == "bf16" || v == "f32")) act = v == "bf16" ? DType::bf16 : DType::f32;
     else return usage(("bad argument " + a + " " + v).c_str());
   }
-  constexpr int64_t W = 4, N = 64, L = W - 1;
-  if (T < 1 || B < 1 || B > N || D < 1 || calls < 1) return usage("need T >= 1, 1 <= B <= 64, D >= 1, calls >= 1");
+  constexpr int64_t W = 4, L = W - 1;
+  const size_t es = act == DType::bf16 ? 2 : 4;
+  const int64_t N = pool_mib > 0 ? std::max<int64_t>(64, (pool_mib << 20) / (L * std::max<int64_t>(D, 1) * int64_t(es))) : 64;
+  if (T < 1 || B < 1 || B > 64 || D < 1 || calls < 1 || pool_mib < 0)
+    return usage("need T >= 1, 1 <= B <= 64, D >= 1, calls >= 1, M >= 0");
 
   // Values as bf16 bits (the f32 buffers hold the same values), N(0, 1) activations.
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
-  const size_t es = act == DType::bf16 ? 2 : 4;
   auto fill = [&](size_t n, float scale) {
     std::vector<uint8_t> buf(n * es);
     for (size_t i = 0; i < n; ++i) {
@@ -132,10 +138,21 @@ int main(int argc, char** argv) {
 
   const gdn::KernelTable& kt = gdn::current_table();
   const Times f = time_calls([&] { kt.conv_fwd(p, Parallel{}); }, calls);
-  const Times up = time_calls([&] { kt.conv_update(u, Parallel{}); }, calls * 10);
+  int64_t next = 0;  // first slot of the next call's set (cold pool)
+  const Times up = time_calls(
+      [&] {
+        if (pool_mib > 0) {
+          if (next + B > N) next = 0;
+          for (int64_t i = 0; i < B; ++i) idx_upd[size_t(i)] = int32_t(next + i);
+          next += B;
+        }
+        kt.conv_update(u, Parallel{});
+      },
+      calls * 10);
   const double vec = double((D + 15) / 16);
-  std::printf("isa %s, %s, D = %lld, one thread\n", gdn::selected_isa().c_str(),
-              act == DType::bf16 ? "bf16" : "f32", static_cast<long long>(D));
+  std::printf("isa %s, %s, D = %lld, one thread, update pool %lld slots (%s)\n", gdn::selected_isa().c_str(),
+              act == DType::bf16 ? "bf16" : "f32", static_cast<long long>(D), static_cast<long long>(N),
+              pool_mib > 0 ? "a fresh slot set per call" : "the same slots every call");
   std::printf("conv_fwd    T = %-5lld min %9.1f us  median %9.1f us  %6.2f ns per vector and token\n",
               static_cast<long long>(T), f.min_us, f.median_us, f.min_us * 1e3 / (vec * double(T)));
   std::printf("conv_update B = %-5lld min %9.2f us  median %9.2f us  %6.2f ns per vector\n",

@@ -428,6 +428,21 @@ inline void conv_fwd(const ConvArgs& p, const Parallel& par) {
 
 // --- decode / spec rolling buffer ---------------------------------------------------------
 
+// Prefetches what row s of an update reads in channels [c0, c1) (SD layout): its window rows
+// of the slot and its first x row.
+template <class T, int W>
+inline void conv_update_prefetch(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
+  const int32_t slot = p.state_indices[s];
+  if (slot < 0) return;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  const T* win = static_cast<const T*>(p.conv_state) + slot * p.slot_stride + (p.num_accepted[s] - 1) * p.time_stride;
+  const T* xr = static_cast<const T*>(p.x) + int64_t(p.query_start_loc[s]) * p.D;
+  for (int64_t c = c0; c < c1; c += kLine) {
+    for (int j = 0; j < W - 1; ++j) __builtin_prefetch(win + j * p.time_stride + c, 1, 3);
+    __builtin_prefetch(xr + c, 0, 3);
+  }
+}
+
 // The first run of an update row in the SD layout, full vectors [c0, cf) (the plain decode's
 // whole work): the general loop of conv_update_block with its layout, run and tail branches
 // taken out. slot: the row's slot (channel 0); out / out_ld: where conv_tokens writes (channel
@@ -479,6 +494,10 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
     const T* xr = x + start * D;
     T* yr = y + start * D;
     T* slot_base = static_cast<T*>(p.conv_state) + slot * p.slot_stride;
+    if (cs == 1) {
+      if (s == s0 && s + 1 < s1) conv_update_prefetch<T, W>(p, s + 1, c0, c1);
+      if (s + 2 < s1) conv_update_prefetch<T, W>(p, s + 2, c0, c1);
+    }
     for (int64_t u = 0; u < q; u += kConvRun) {
       const int64_t count = q - u < kConvRun ? q - u : kConvRun;
       int64_t c = c0;
