@@ -20,7 +20,7 @@ echo "== native ($(uname -m))"
 "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --tokens 2 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --pool-mib 1 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_conv_kernel_bench" --tokens 5 --batch 3 --dim 40 --calls 3 >/dev/null
-"$CORE_BUILD/gdn_conv_kernel_bench" --act f32 --tokens 5 --batch 3 --dim 40 --calls 3 >/dev/null
+"$CORE_BUILD/gdn_conv_kernel_bench" --act f32 --tokens 5 --batch 3 --dim 40 --calls 3 --pool-mib 1 >/dev/null
 
 if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then echo "== aarch64: skipped (GDN_SKIP_ARM=1)"; exit 0; fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
