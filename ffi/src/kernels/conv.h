@@ -429,11 +429,12 @@ inline void conv_fwd(const ConvArgs& p, const Parallel& par) {
 // --- decode / spec rolling buffer ---------------------------------------------------------
 
 // Prefetches what row s of an update reads in channels [c0, c1) (SD layout): its window rows
-// of the slot and its first x row.
+// of the slot and its first x row. Only rows this call runs (another kernel's rows of a serving
+// step may carry no window).
 template <class T, int W>
 inline void conv_update_prefetch(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
   const int32_t slot = p.state_indices[s];
-  if (slot < 0) return;
+  if (slot < 0 || !p.rows.owns(s) || p.query_start_loc[s + 1] == p.query_start_loc[s]) return;
   constexpr int64_t kLine = 64 / int64_t(sizeof(T));
   const T* win = static_cast<const T*>(p.conv_state) + slot * p.slot_stride + (p.num_accepted[s] - 1) * p.time_stride;
   const T* xr = static_cast<const T*>(p.x) + int64_t(p.query_start_loc[s]) * p.D;
