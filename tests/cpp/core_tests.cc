@@ -896,6 +896,20 @@ void test_bf16_rounding(const std::string& isa, const KernelTable& kt) {
   }
   check_true("bf16 rounding " + isa + " (" + std::to_string(in.size()) + " values) = RNE, NaN quiet", bad == 0,
              bad == 0 ? "" : std::to_string(bad) + " differ, first " + first);
+
+  // The recurrence's bf16-state conversions (the pair order on AVX2): the same bits in memory
+  // order as the plain store, and the exact widening back.
+  std::vector<uint16_t> yp(in.size(), 0x1234u);
+  std::vector<uint32_t> w(in.size(), 0x12345678u);
+  kt.round_bf16_pairs(x.data(), reinterpret_cast<bf16*>(yp.data()), reinterpret_cast<float*>(w.data()),
+                      int64_t(in.size()));
+  int64_t bad_round = 0, bad_widen = 0;
+  for (size_t i = 0; i < in.size(); ++i) {
+    bad_round += yp[i] != y[i];
+    bad_widen += w[i] != uint32_t(yp[i]) << 16;
+  }
+  check_true("bf16 pair order " + isa + " = the plain store's bits, widened exactly", bad_round == 0 && bad_widen == 0,
+             std::to_string(bad_round) + " rounded differently, " + std::to_string(bad_widen) + " widened wrong");
 }
 
 #if GDN_TEST_AMX

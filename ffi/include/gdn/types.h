@@ -164,6 +164,9 @@ struct KernelTable {
   int64_t bf16_dot_probe_flops = 0;  // per iteration
   // tests: n f32 values through this ISA's vector f32 -> bf16 store (the kernels' rounding).
   void (*round_bf16)(const float* x, bf16* y, int64_t n) = nullptr;
+  // tests: the same through the pair order of the recurrence's bf16 state (vec_avx2.h; the
+  // plain order elsewhere), then y widened back into w the same way.
+  void (*round_bf16_pairs)(const float* x, bf16* y, float* w, int64_t n) = nullptr;
   // tests: n values through this ISA's SiLU for bf16 outputs (vsilu_bf16), before the rounding.
   void (*silu_bf16)(const float* x, float* y, int64_t n) = nullptr;
 };

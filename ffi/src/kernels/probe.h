@@ -11,6 +11,21 @@ inline void round_bf16(const float* x, bf16* y, int64_t n) {
   if (i < n) vstore_n(y + i, vload_n(x + i, int(n - i)), int(n - i));
 }
 
+// round_bf16 with full vectors in the pair order (f32 loaded into it, bf16 stored from it), then
+// y widened back to w from that order into memory order: the conversions the recurrence uses
+// for a bf16 state where the ISA has the order (kPairOrder), the plain ones elsewhere.
+inline void round_bf16_pairs(const float* x, bf16* y, float* w, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    rec_st<true, kPairOrder>(y + i, rec_ld<true, kPairOrder>(x + i, kLanes), kLanes);  // recurrent.h
+    rec_st<true, kPairOrder>(w + i, rec_ld<true, kPairOrder>(y + i, kLanes), kLanes);
+  }
+  if (i < n) {
+    vstore_n(y + i, vload_n(x + i, int(n - i)), int(n - i));
+    vstore_n(w + i, vload_n(y + i, int(n - i)), int(n - i));
+  }
+}
+
 // n values through vsilu_bf16, the conv's SiLU for bf16 outputs (its accuracy is below what
 // the bf16 rounding shows; the core tests check it here, before that rounding).
 inline void silu_bf16_values(const float* x, float* y, int64_t n) {

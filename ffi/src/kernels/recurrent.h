@@ -36,15 +36,31 @@ constexpr int kRecBlock = kRecBlockVF * kLanes;  // 32 columns
 
 inline int64_t rec_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
-template <bool kFull, class T>
+// kPair: a full piece exchanged with memory outside the kernel (pool, v, o) in the ISA's pair
+// order (vec_avx2.h: the bf16 state's widening and rounding without shuffles). Inside, a VF
+// keeps whatever order it has; loc holds VFs as they are.
+template <bool kFull, bool kPair = false, class T>
 GDN_REC_INLINE VF rec_ld(const T* p, int n) {
-  if (kFull) return vload(p);
-  return vload_n(p, n);
+  if constexpr (kPair) return vload_pairs(p);
+  else if (kFull) return vload(p);
+  else return vload_n(p, n);
 }
-template <bool kFull, class T>
+template <bool kFull, bool kPair = false, class T>
 GDN_REC_INLINE void rec_st(T* p, VF x, int n) {
-  if (kFull) vstore(p, x);
+  if constexpr (kPair) vstore_pairs(p, x);
+  else if (kFull) vstore(p, x);
   else vstore_n(p, x, n);
+}
+template <bool kPair, class T>
+GDN_REC_INLINE void rec_stream(T* p, VF x) {
+  if constexpr (kPair) vstream_pairs(p, x);
+  else vstream(p, x);
+}
+// Pair order for a bf16 state's full pieces where the ISA has one (the f32 state loses by it:
+// its loads would need the shuffles the bf16 one saves).
+template <bool kFull, class ST>
+constexpr bool rec_pairs() {
+  return kPairOrder && kFull && std::is_same<ST, bf16>::value;
 }
 
 // The prepared operands of up to kRecTokGroup tokens of one row for one value head.
@@ -65,7 +81,7 @@ struct RecGroup {
 // was prefetched by the previous block's fused pass (rec_pass). stash (kStash): the block as
 // read, widened to f32 (row stride kRecBlock), so that the first token's pass reads it without
 // widening every element a second time.
-template <int NV, bool kFull, bool kStash, class Src>
+template <int NV, bool kFull, bool kStash, bool kPair, class Src>
 GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv, float* stash) {
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
@@ -75,7 +91,7 @@ GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, in
     const Src* r0 = s + k * ld;
     const Src* r1 = r0 + ld;
     for (int c = 0; c < NV; ++c) {
-      const VF x0 = rec_ld<kFull>(r0 + c * kLanes, ncol), x1 = rec_ld<kFull>(r1 + c * kLanes, ncol);
+      const VF x0 = rec_ld<kFull, kPair>(r0 + c * kLanes, ncol), x1 = rec_ld<kFull, kPair>(r1 + c * kLanes, ncol);
       if (kStash) {
         vstore(stash + k * kRecBlock + c * kLanes, x0);
         vstore(stash + (k + 1) * kRecBlock + c * kLanes, x1);
@@ -87,7 +103,7 @@ GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, in
   if (k < K) {
     const VF k0 = vset1(kh[k]);
     for (int c = 0; c < NV; ++c) {
-      const VF x0 = rec_ld<kFull>(s + k * ld + c * kLanes, ncol);
+      const VF x0 = rec_ld<kFull, kPair>(s + k * ld + c * kLanes, ncol);
       if (kStash) vstore(stash + k * kRecBlock + c * kLanes, x0);
       a0[c] = vfma(x0, k0, a0[c]);
     }
@@ -96,14 +112,14 @@ GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, in
 }
 
 // One row k of a token's fused pass (see rec_pass); ao / an: the accumulators of this k.
-template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, class Src, class ST>
 GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* d, float kk, float qk, float kn,
                             int ncol, VF* ao, VF* an) {
   const VF vk = vset1(kk), vq = vset1(qk), vn = vset1(kn);
   for (int c = 0; c < NV; ++c) {
-    const VF sn = vfma(vk, d[c], rec_ld<kFull>(s + c * kLanes, ncol) * va);
-    if (kNT) vstream(dst + c * kLanes, sn);
-    else rec_st<kFull>(dst + c * kLanes, sn, ncol);
+    const VF sn = vfma(vk, d[c], rec_ld<kFull, kPair && std::is_same<Src, bf16>::value>(s + c * kLanes, ncol) * va);
+    if (kNT) rec_stream<kPair>(dst + c * kLanes, sn);
+    else rec_st<kFull, kPair>(dst + c * kLanes, sn, ncol);
     if (kLoc) vstore(loc + c * kLanes, sn);
     ao[c] = vfma(sn, vq, ao[c]);
     if (kNext) an[c] = vfma(sn, vn, an[c]);
@@ -124,7 +140,7 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 // the time; issued as a burst in rec_kv they stalled on full miss buffers (2026-11-30, dev host:
 // bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 and the spread
 // over a spec group's passes: ffi/README.md, "Recurrent decode / spec").
-template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, class Src, class ST>
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
                           VF* kvn, const ST* pf, int pf_phase, int pf_every) {
@@ -142,13 +158,13 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
       }
     }
     if (++ph == pf_every) ph = 0;
-    rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
                                          kNext ? khn[k] : 0.f, ncol, oa, na);
-    rec_row<NV, kFull, kNext, kLoc, kNT>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
                                          d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, oa, na);
   }
   if (k < K)
-    rec_row<NV, kFull, kNext, kLoc, kNT>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
                                          kNext ? khn[k] : 0.f, ncol, oa, na);
   for (int c = 0; c < NV; ++c) {
     o[c] = oa[c];
@@ -157,12 +173,12 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
 }
 
 // Picks the rec_pass instantiation; non-temporal stores only on full (aligned) pieces.
-template <int NV, bool kFull, class Src, class ST>
+template <int NV, bool kFull, bool kPair, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
                          const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every) {
 #define GDN_REC_PASS(kNext, kLoc, kNT) \
-  rec_pass<NV, kFull, kNext, kLoc, kNT>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, pf_phase, \
+  rec_pass<NV, kFull, kNext, kLoc, kNT, kPair>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, pf_phase, \
                                         pf_every)
   if (kFull && nt) {
     if (next) {
@@ -196,12 +212,13 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   constexpr bool kF32 = std::is_same<ST, float>::value;
   // A bf16 start block is widened once, into loc, and the first pass reads that copy.
   constexpr bool kStash = !std::is_same<Src, float>::value;
+  constexpr bool kPair = rec_pairs<kFull, ST>();  // the pool block, v and o; loc as it is
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull, kStash>(src, s_ld, K, g.kh[0], ncol, kv, loc);
+  rec_kv<NV, kFull, kStash, kPair && kStash>(src, s_ld, K, g.kh[0], ncol, kv, loc);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
-    for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<kFull>(g.v[t] + col + c * kLanes, ncol) - va * kv[c]);
+    for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<kFull, kPair>(g.v[t] + col + c * kLanes, ncol) - va * kv[c]);
     const bool next = t + 1 < g.n;
     const bool nt = kFull && g.nt[t];
     const bool use_loc = (next && (!kF32 || nt)) || (!next && keep);
@@ -209,19 +226,19 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     ST* dst = g.dst[t] + col;
     if (t == 0) {
       if constexpr (kStash)  // loc -> loc in place, as below
-        rec_pass_any<NV, kFull>(next, use_loc, nt, static_cast<const float*>(loc), kRecBlock, dst, V, loc, K,
+        rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, static_cast<const float*>(loc), kRecBlock, dst, V, loc, K,
                                 g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n);
       else
-        rec_pass_any<NV, kFull>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
+        rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
                                 ncol, o, kv, pf, 0, g.n);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
       const int64_t cont_ld = prev_loc ? kRecBlock : V;
-      rec_pass_any<NV, kFull>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
+      rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
                               khn, ncol, o, kv, pf, t, g.n);
     }
-    for (int c = 0; c < NV; ++c) rec_st<kFull>(g.o[t] + col + c * kLanes, o[c], ncol);
+    for (int c = 0; c < NV; ++c) rec_st<kFull, kPair>(g.o[t] + col + c * kLanes, o[c], ncol);
     prev_loc = use_loc;
   }
 }

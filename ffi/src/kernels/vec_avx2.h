@@ -36,20 +36,23 @@ inline VF vload_n(const bf16* p, int n) {
 }
 
 // Round to nearest even in integer arithmetic, for lanes that are not NaN (±Inf stays Inf,
-// overflow rounds to Inf). Returns the bf16 bits in the low half of each 32-bit lane.
-inline __m256i ps_to_bf16_lanes_not_nan(__m256 x) {
+// overflow rounds to Inf). Returns the bf16 bits in the high half of each 32-bit lane (the
+// low half is what the rounding left there).
+inline __m256i ps_to_bf16_high_not_nan(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  return _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
 }
 // The same for any lane: NaN -> quiet NaN (the rounding add could carry a NaN's low
 // mantissa bits into Inf or into the sign).
-inline __m256i ps_to_bf16_lanes(__m256 x) {
+inline __m256i ps_to_bf16_high(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i quiet = _mm256_srli_epi32(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), 16);
-  return _mm256_blendv_epi8(ps_to_bf16_lanes_not_nan(x), quiet, nan);
+  return _mm256_blendv_epi8(ps_to_bf16_high_not_nan(x), _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
 }
+// The bf16 bits in the low half of each lane.
+inline __m256i ps_to_bf16_lanes_not_nan(__m256 x) { return _mm256_srli_epi32(ps_to_bf16_high_not_nan(x), 16); }
+inline __m256i ps_to_bf16_lanes(__m256 x) { return _mm256_srli_epi32(ps_to_bf16_high(x), 16); }
 // 16 lanes -> 16 bf16 in one 256-bit register: one in-lane pack of both halves, then the
 // 64-bit quarters back in order (cheaper than packing each half across its 128-bit lanes).
 // One unordered compare of the two halves finds a NaN in either; only then do the lanes
@@ -67,6 +70,49 @@ inline __m256i ps_to_bf16x16(VF x) {
   }
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
 }
+
+// The pair order of 16 consecutive elements: lo holds the even ones (0, 2, .., 14), hi the odd
+// ones. 32 bytes of bf16 widen to it with one shift and one and (the odd element of each
+// 32-bit word already sits in its high half), and narrow from it with one shift and one word
+// blend after the rounding: per 16 values 3 shifts and no shuffle, against 6 shifts and 4
+// shuffles (zero-extends, pack, lane permute) in the plain order. Kernels whose arithmetic is
+// per column (the recurrence's state block: ffi/README.md, "Recurrent decode / spec") keep a
+// full piece in this order from load to store; f32 pieces they exchange with it (v, o) are
+// (de)interleaved on the way, once per K state rows.
+constexpr bool kPairOrder = true;
+inline VF vload_pairs(const bf16* p) {
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))))};
+}
+inline VF vload_pairs(const float* p) {
+  const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+  // In-lane picks give [0 2 8 10 | 4 6 12 14]; the 64-bit permute puts the quarters in order.
+  const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)),
+          _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8))};
+}
+// Same bits as vstore of the plain-order vector (core test "pair order").
+inline __m256i ps_pairs_to_bf16x16(VF x) {
+  const __m256 unord = _mm256_cmp_ps(x.lo, x.hi, _CMP_UNORD_Q);
+  __m256i e, o;
+  if (__builtin_expect(_mm256_movemask_ps(unord) == 0, 1)) {
+    e = ps_to_bf16_high_not_nan(x.lo);
+    o = ps_to_bf16_high_not_nan(x.hi);
+  } else {
+    e = ps_to_bf16_high(x.lo);
+    o = ps_to_bf16_high(x.hi);
+  }
+  return _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xAA);
+}
+inline void vstore_pairs(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x)); }
+inline void vstream_pairs(bf16* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x)); }
+inline void vstore_pairs(float* p, VF x) {
+  const __m256 a = _mm256_unpacklo_ps(x.lo, x.hi), b = _mm256_unpackhi_ps(x.lo, x.hi);  // [0-3 | 8-11], [4-7 | 12-15]
+  _mm256_storeu_ps(p, _mm256_permute2f128_ps(a, b, 0x20));
+  _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 inline void vstore(float* p, VF x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
 inline void vstore(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ps_to_bf16x16(x)); }
 inline void vstore_n(float* p, VF x, int n) {

@@ -3,6 +3,7 @@
 
 constexpr int kLanes = 16;
 constexpr int kVfRegs = 1;  // machine registers one VF takes: one zmm
+constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h (no vload_pairs here)
 
 struct VF {
   __m512 v;

@@ -4,6 +4,7 @@
 
 constexpr int kLanes = 16;
 constexpr int kVfRegs = 4;  // machine registers one VF takes: four q registers
+constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h (no vload_pairs here)
 
 struct VF {
   float32x4_t v[4];
