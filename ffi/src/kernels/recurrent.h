@@ -12,7 +12,7 @@
 //
 // Per column block (K x 32 f32, 16 KiB at K = 128, stays in L1 between the passes):
 //   pass 1 (first token only): kv = S_srcᵀ k̂_0 (read the start slot; a bf16 one is also
-//   kept widened in loc for the first fused pass).
+//   kept widened in loc for the first fused pass, except in the AVX2 pair order).
 //   per token t: delta = beta (v - alpha kv); one fused pass over k:
 //     S[k] = alpha S[k] + k̂_k delta; store S[k] to slot idx[i, t];
 //     o += S[k] q̂_k;  kv' += S[k] k̂_{t+1,k} (the next token's reduction, fused).
@@ -210,11 +210,13 @@ template <int NV, bool kFull, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
                             int64_t col, int ncol, bool keep, float* loc, const ST* pf) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
-  // A bf16 start block is widened once, into loc, and the first pass reads that copy.
-  constexpr bool kStash = !std::is_same<Src, float>::value;
   constexpr bool kPair = rec_pairs<kFull, ST>();  // the pool block, v and o; loc as it is
+  // A bf16 start block is widened once, into loc, and the first pass reads that copy; in the
+  // pair order widening costs less than the copy's stores and loads, and the pass reads the
+  // slot again (ffi/README.md, "The pair order for a bf16 state on AVX2").
+  constexpr bool kStash = !std::is_same<Src, float>::value && !kPair;
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull, kStash, kPair && kStash>(src, s_ld, K, g.kh[0], ncol, kv, loc);
+  rec_kv<NV, kFull, kStash, kPair && !std::is_same<Src, float>::value>(src, s_ld, K, g.kh[0], ncol, kv, loc);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
