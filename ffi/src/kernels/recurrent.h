@@ -158,14 +158,14 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
       }
     }
     if (++ph == pf_every) ph = 0;
-    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
-                                         kNext ? khn[k] : 0.f, ncol, oa, na);
-    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock, va,
-                                         d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, oa, na);
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k],
+                                                qh[k], kNext ? khn[k] : 0.f, ncol, oa, na);
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock,
+                                                va, d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, oa, na);
   }
   if (k < K)
-    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k], qh[k],
-                                         kNext ? khn[k] : 0.f, ncol, oa, na);
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k],
+                                                qh[k], kNext ? khn[k] : 0.f, ncol, oa, na);
   for (int c = 0; c < NV; ++c) {
     o[c] = oa[c];
     if (kNext) kvn[c] = na[c];
@@ -177,9 +177,9 @@ template <int NV, bool kFull, bool kPair, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
                          const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every) {
-#define GDN_REC_PASS(kNext, kLoc, kNT) \
-  rec_pass<NV, kFull, kNext, kLoc, kNT, kPair>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, pf_phase, \
-                                        pf_every)
+#define GDN_REC_PASS(kNext, kLoc, kNT)                                                                       \
+  rec_pass<NV, kFull, kNext, kLoc, kNT, kPair>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, \
+                                               pf_phase, pf_every)
   if (kFull && nt) {
     if (next) {
       if (use_loc) GDN_REC_PASS(true, true, kFull);
@@ -229,16 +229,16 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     if (t == 0) {
       if constexpr (kStash)  // loc -> loc in place, as below
         rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, static_cast<const float*>(loc), kRecBlock, dst, V, loc, K,
-                                g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n);
+                                       g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n);
       else
-        rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t], khn,
-                                ncol, o, kv, pf, 0, g.n);
+        rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
+                                       khn, ncol, o, kv, pf, 0, g.n);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
       const int64_t cont_ld = prev_loc ? kRecBlock : V;
-      rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                              khn, ncol, o, kv, pf, t, g.n);
+      rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t],
+                                     g.qh[t], khn, ncol, o, kv, pf, t, g.n);
     }
     for (int c = 0; c < NV; ++c) rec_st<kFull, kPair>(g.o[t] + col + c * kLanes, o[c], ncol);
     prev_loc = use_loc;

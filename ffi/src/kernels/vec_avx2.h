@@ -88,11 +88,12 @@ inline VF vload_pairs(const bf16* p) {
 inline VF vload_pairs(const float* p) {
   const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
   // In-lane picks give [0 2 8 10 | 4 6 12 14]; the 64-bit permute puts the quarters in order.
-  const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
   return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)),
           _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8))};
 }
-// Same bits as vstore of the plain-order vector (core test "pair order").
+// Same bits as vstore of the plain-order vector (core test "bf16 pair order").
 inline __m256i ps_pairs_to_bf16x16(VF x) {
   const __m256 unord = _mm256_cmp_ps(x.lo, x.hi, _CMP_UNORD_Q);
   __m256i e, o;
