@@ -50,25 +50,26 @@ inline __m256i ps_to_bf16_high(__m256 x) {
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   return _mm256_blendv_epi8(ps_to_bf16_high_not_nan(x), _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
 }
-// The bf16 bits in the low half of each lane.
-inline __m256i ps_to_bf16_lanes_not_nan(__m256 x) { return _mm256_srli_epi32(ps_to_bf16_high_not_nan(x), 16); }
-inline __m256i ps_to_bf16_lanes(__m256 x) { return _mm256_srli_epi32(ps_to_bf16_high(x), 16); }
+// Both halves of a VF rounded, the bf16 bits in the high half of each lane. One unordered
+// compare of the two halves finds a NaN in either; only then do the lanes take the NaN blend
+// (3 of the ~18 operations per 16 values; on NaN-free data the branch is never taken). Same
+// bits either way (core test "bf16 rounding").
+inline void ps_to_bf16_high2(VF x, __m256i* lo, __m256i* hi) {
+  const __m256 unord = _mm256_cmp_ps(x.lo, x.hi, _CMP_UNORD_Q);
+  if (__builtin_expect(_mm256_movemask_ps(unord) == 0, 1)) {
+    *lo = ps_to_bf16_high_not_nan(x.lo);
+    *hi = ps_to_bf16_high_not_nan(x.hi);
+  } else {
+    *lo = ps_to_bf16_high(x.lo);
+    *hi = ps_to_bf16_high(x.hi);
+  }
+}
 // 16 lanes -> 16 bf16 in one 256-bit register: one in-lane pack of both halves, then the
 // 64-bit quarters back in order (cheaper than packing each half across its 128-bit lanes).
-// One unordered compare of the two halves finds a NaN in either; only then do the lanes
-// take the NaN blend (3 of the ~18 operations per 16 values; on NaN-free data the branch is
-// never taken). Same bits either way (core test "bf16 rounding").
 inline __m256i ps_to_bf16x16(VF x) {
-  const __m256 unord = _mm256_cmp_ps(x.lo, x.hi, _CMP_UNORD_Q);
   __m256i lo, hi;
-  if (__builtin_expect(_mm256_movemask_ps(unord) == 0, 1)) {
-    lo = ps_to_bf16_lanes_not_nan(x.lo);
-    hi = ps_to_bf16_lanes_not_nan(x.hi);
-  } else {
-    lo = ps_to_bf16_lanes(x.lo);
-    hi = ps_to_bf16_lanes(x.hi);
-  }
-  return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+  ps_to_bf16_high2(x, &lo, &hi);
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(lo, 16), _mm256_srli_epi32(hi, 16)), 0xD8);
 }
 
 // The pair order of 16 consecutive elements: lo holds the even ones (0, 2, .., 14), hi the odd
@@ -95,15 +96,8 @@ inline VF vload_pairs(const float* p) {
 }
 // Same bits as vstore of the plain-order vector (core test "bf16 pair order").
 inline __m256i ps_pairs_to_bf16x16(VF x) {
-  const __m256 unord = _mm256_cmp_ps(x.lo, x.hi, _CMP_UNORD_Q);
   __m256i e, o;
-  if (__builtin_expect(_mm256_movemask_ps(unord) == 0, 1)) {
-    e = ps_to_bf16_high_not_nan(x.lo);
-    o = ps_to_bf16_high_not_nan(x.hi);
-  } else {
-    e = ps_to_bf16_high(x.lo);
-    o = ps_to_bf16_high(x.hi);
-  }
+  ps_to_bf16_high2(x, &e, &o);
   return _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xAA);
 }
 inline void vstore_pairs(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x)); }
