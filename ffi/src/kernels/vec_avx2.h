@@ -75,11 +75,11 @@ inline __m256i ps_to_bf16x16(VF x) {
 // The pair order of 16 consecutive elements: lo holds the even ones (0, 2, .., 14), hi the odd
 // ones. 32 bytes of bf16 widen to it with one shift and one and (the odd element of each
 // 32-bit word already sits in its high half), and narrow from it with one shift and one word
-// blend after the rounding: per 16 values 3 shifts and no shuffle, against 6 shifts and 4
-// shuffles (zero-extends, pack, lane permute) in the plain order. Kernels whose arithmetic is
-// per column (the recurrence's state block: ffi/README.md, "Recurrent decode / spec") keep a
-// full piece in this order from load to store; f32 pieces they exchange with it (v, o) are
-// (de)interleaved on the way, once per K state rows.
+// blend after the rounding: per 16 values 4 shifts, a blend and no shuffle, against 6 shifts
+// and 4 shuffles (zero-extends, pack, lane permute) in the plain order. Kernels whose
+// arithmetic is per column (the recurrence's state block: ffi/README.md, "Recurrent decode /
+// spec") keep a full piece in this order from load to store; f32 pieces they exchange with it
+// (v, o) are (de)interleaved on the way, once per K state rows.
 constexpr bool kPairOrder = true;
 inline VF vload_pairs(const bf16* p) {
   const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
