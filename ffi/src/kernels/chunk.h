@@ -89,7 +89,10 @@ inline void gemm_tile_rows(int mr, int np, const float* A, int64_t rsa, int64_t 
 }
 
 // M x N result, depth P. Column blocks outermost: the B column block (P x 16 NV floats)
-// stays in L1 while the row tiles stream A.
+// stays in L1 while the row tiles stream A. Tiles of kGemmMR rows, except that a remainder of
+// 1-3 rows is merged with the last full tile and split in two (32 rows: 6 6 6 6 4 4, not
+// 6 6 6 6 6 2): a 2-row tile keeps too few accumulator chains to fill the FMA pipes over their
+// latency (ffi/README.md, Chunked prefill, "Tile heights").
 template <class TO>
 inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
                     Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
@@ -97,8 +100,10 @@ inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t cs
     const int nv = N - c0 >= kGemmNV * kLanes ? kGemmNV : (N - c0) / kLanes;
     const int64_t cb = c0 / kLanes;
     const Mat<const float> b{B.p + cb * B.bs, B.ld, B.bs};
-    for (int i0 = 0; i0 < M; i0 += kGemmMR) {
-      const int mr = M - i0 < kGemmMR ? M - i0 : kGemmMR;
+    for (int i0 = 0, mr = 0; i0 < M; i0 += mr) {
+      const int rest = M - i0;
+      mr = rest < kGemmMR ? rest : kGemmMR;
+      if (rest > kGemmMR && rest < kGemmMR + 4) mr = (rest + 1) / 2;  // 7-9 rows: 4+3, 4+4, 5+4
       if (shape == kGemmTriCols && i0 + mr - 1 < c0) continue;
       int np = P;
       if (shape == kGemmTriDepth && i0 + mr < np) np = i0 + mr;
