@@ -21,7 +21,7 @@ inline void round_bf16_pairs(const float* x, bf16* y, float* w, int64_t n) {
     rec_st<true, kPairOrder>(w + i, rec_ld<true, kPairOrder>(y + i, kLanes), kLanes);
   }
   if (i < n) {
-    vstore_n(y + i, vload_n(x + i, int(n - i)), int(n - i));
+    round_bf16(x + i, y + i, n - i);  // the tail: plain order in every kernel
     vstore_n(w + i, vload_n(y + i, int(n - i)), int(n - i));
   }
 }

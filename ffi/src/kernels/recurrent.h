@@ -216,7 +216,7 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   // slot again (ffi/README.md, "The pair order for a bf16 state on AVX2").
   constexpr bool kStash = !std::is_same<Src, float>::value && !kPair;
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull, kStash, kPair && !std::is_same<Src, float>::value>(src, s_ld, K, g.kh[0], ncol, kv, loc);
+  rec_kv<NV, kFull, kStash, kPair && std::is_same<Src, bf16>::value>(src, s_ld, K, g.kh[0], ncol, kv, loc);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
