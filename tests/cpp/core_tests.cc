@@ -201,6 +201,24 @@ void check_row_filter(const std::string& what, Args p, int64_t token_bytes, cons
   check_true(what, untouched && std::memcmp(out.data(), out_all.data(), n) == 0 && st == st_all);
 }
 
+// The same call with the state pool at a 64-byte boundary (then the recurrence writes a slot
+// it did not read with non-temporal stores: recurrent.h) and 16 bytes past one (plain stores):
+// both give the bits of the reference run. A std::vector's data is only 16-byte aligned.
+template <class Args, class Set, class Fn>
+void check_pool_placement(const std::string& what, Args p, const std::vector<uint8_t>& pool0,
+                          const std::vector<uint8_t>& out_ref, const std::vector<uint8_t>& st_ref, Set set, Fn run) {
+  bool same = true;
+  for (size_t off : {size_t(0), size_t(16)}) {
+    std::vector<uint8_t> buf(pool0.size() + 128), out(out_ref.size(), 0xff);
+    uint8_t* st = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64 + off;
+    std::memcpy(st, pool0.data(), pool0.size());
+    set(p, out.data(), st);
+    run(p);
+    same &= out == out_ref && std::memcmp(st, st_ref.data(), st_ref.size()) == 0;
+  }
+  check_true(what, same);
+}
+
 
 void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool has_bias, std::mt19937& rng) {
   const int64_t D = 72, N = 5, num_spec = 6, L = W - 1 + num_spec;
@@ -578,6 +596,9 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
     check_row_filter("recurrent spec, row filter " + tag, p, HV * V * es, pool, o, st,
                      [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
                      [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
+    check_pool_placement("recurrent spec, pool 64-byte aligned (streaming stores) and not " + tag, p, pool, o, st,
+                         [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
+                         [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
     std::vector<double> orf, sref;
     rec_oracle(q, k, v, a, b, gt, rw, S0r, H, HV, K, V, scale, eps, orf, sref);
     check("recurrent spec o     " + tag, rel_rmse(read_act(o.data(), act, T * HV * V), orf), f32all ? 1e-5 : 2e-3);
