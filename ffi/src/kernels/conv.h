@@ -20,6 +20,7 @@ constexpr int64_t kConvTokBlock = 64;    // prefill item: tokens x kConvChanBloc
 constexpr int64_t kConvChanBlock = 256;  // channels per item (prefill and update)
 constexpr int64_t kConvRowGroup = 8;     // update item: rows x kConvChanBlock channels
 constexpr int64_t kConvRun = 4;          // tokens per register-window run (prefill, spec update)
+constexpr int64_t kConvPrefetchRuns = 2;  // prefill: x rows prefetched this many runs ahead
 
 // --- helpers ------------------------------------------------------------------------------
 
@@ -189,6 +190,13 @@ GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, i
   for (int64_t u = t; u < e; u += kConvRun, yr += kConvRun * y_ld) {
     const int64_t count = e - u < kConvRun ? e - u : kConvRun;
     const T* xr = x + u * D;
+    // x rows are D apart (16 KiB at Qwen3-Next's D = 8192 in bf16), a stride the hardware
+    // prefetchers do not follow; fetched only a chunk ahead (chunk_prep) their loads still
+    // stalled here. Two runs ahead: ffi/README.md, "Causal conv1d", Prefetch in the prefill.
+    for (int64_t v = u + kConvPrefetchRuns * kConvRun, ve = v + kConvRun < e ? v + kConvRun : e; v < ve; ++v) {
+      const char* pr = reinterpret_cast<const char*>(x + v * D + c0);
+      for (int64_t b = 0; b < nc * int64_t(sizeof(T)); b += 64) __builtin_prefetch(pr + b, 0, 2);
+    }
     Y* out;
     int64_t out_ld;
     if constexpr (SILU) {
