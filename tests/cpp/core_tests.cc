@@ -202,8 +202,9 @@ void check_row_filter(const std::string& what, Args p, int64_t token_bytes, cons
 }
 
 // The same call with the state pool at a 64-byte boundary (then the recurrence writes a slot
-// it did not read with non-temporal stores: recurrent.h) and 16 bytes past one (plain stores):
-// both give the bits of the reference run. A std::vector's data is only 16-byte aligned.
+// it did not read with non-temporal stores where the ISA has them: recurrent.h) and 16 bytes
+// past one (plain stores): both give the bits of the reference run. A std::vector's data is
+// only 16-byte aligned.
 template <class Args, class Set, class Fn>
 void check_pool_placement(const std::string& what, Args p, const std::vector<uint8_t>& pool0,
                           const std::vector<uint8_t>& out_ref, const std::vector<uint8_t>& st_ref, Set set, Fn run) {
