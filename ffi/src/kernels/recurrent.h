@@ -139,7 +139,10 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 // prefetchers follow poorly. Spread over the passes, the prefetches keep a few lines in flight all
 // the time; issued as a burst in rec_kv they stalled on full miss buffers (2026-11-30, dev host:
 // bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 and the spread
-// over a spec group's passes: ffi/README.md, "Recurrent decode / spec").
+// over a spec group's passes: ffi/README.md, "Recurrent decode / spec"). Into L2 (locality 2,
+// prefetcht1), not L1: on Zen 4 an L1 prefetch holds one of the few L1 miss buffers until its
+// line arrives and the pass reached ~20 GB/s per thread; into L2 ~32 (decode B = 8 f32 kernel,
+// two threads, 0.95 -> 0.6-0.76 ms; Zen 3 measured the same both ways).
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
@@ -153,8 +156,8 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
   for (; k + 1 < K; k += 2) {
     if (pf != nullptr && ph == pf_phase) {  // see above
       for (int e = 0; e < NV * kLanes; e += kLineElems) {
-        __builtin_prefetch(pf + k * d_ld + e, 0, 3);
-        __builtin_prefetch(pf + (k + 1) * d_ld + e, 0, 3);
+        __builtin_prefetch(pf + k * d_ld + e, 0, 2);
+        __builtin_prefetch(pf + (k + 1) * d_ld + e, 0, 2);
       }
     }
     if (++ph == pf_every) ph = 0;
