@@ -312,6 +312,51 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
                    [&](const ConvArgs& m) { kt.conv_update(m, Parallel{}); });
 }
 
+// The decode update at D = 8192 (Qwen3-Next's channels), W = 4, on 4 threads: B = 1 (one token
+// x D x W = 32 Ki: under kConvUpdateSerialWork, so the caller runs it alone, no parallel-for) and
+// B = 9 (two row groups, 32 channel blocks: parallel) give the bits of the serial run. The rows'
+// slots are distinct, a padding row rides along, and two tokens past the last row are zeroed.
+void test_conv_update_threads(const KernelTable& kt, DType act, std::mt19937& rng) {
+  const int64_t D = 8192, W = 4, L = W - 1, N = 12;
+  const Act wa(D * W, rng, 0.5), ba(D, rng, 0.5), pool(N * L * D, rng);
+  const size_t es = act == DType::f32 ? 4 : 2;
+  for (int64_t B : {1, 9}) {
+    const int64_t T = B + 2;
+    const Act x(T * D, rng);
+    std::vector<int32_t> qsl(B + 1), idx(B), acc(B, 1);
+    for (int64_t s = 0; s < B; ++s) qsl[s + 1] = int32_t(s + 1), idx[s] = int32_t((s * 5) % N);
+    if (B > 1) idx[3] = -1;
+    ConvArgs p{};
+    p.act = act; p.x = x.ptr(act); p.weight = wa.ptr(DType::bf16); p.bias = ba.ptr(DType::bf16);
+    p.weight_dtype = DType::bf16; p.bias_dtype = DType::bf16;
+    p.T = T; p.D = D; p.W = W; p.silu = true; p.N = N; p.L = L;
+    p.slot_stride = L * D; p.time_stride = D; p.chan_stride = 1;
+    p.query_start_loc = qsl.data(); p.state_indices = idx.data(); p.num_accepted = acc.data(); p.S = B;
+    std::vector<uint8_t> st0(N * L * D * es);
+    std::memcpy(st0.data(), pool.ptr(act), st0.size());
+    std::vector<uint8_t> y1(T * D * es, 0xff), y4(T * D * es, 0xff), st1 = st0, st4 = st0;
+    p.y = y1.data();
+    p.conv_state = st1.data();
+    kt.conv_update(p, Parallel{});
+    struct Counted {
+      ThreadedParallel tp{4};
+      int forks = 0;
+      static void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
+        auto* c = static_cast<Counted*>(ctx);
+        ++c->forks;
+        ThreadedParallel::run(&c->tp.threads, n, grain, body, body_ctx);
+      }
+    } counted;
+    p.y = y4.data();
+    p.conv_state = st4.data();
+    kt.conv_update(p, Parallel{&counted, Counted::run, 4});
+    const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " f32" : " bf16") + " B=" + std::to_string(B);
+    check_true("conv_update, 4 threads = serial " + tag, y4 == y1 && st4 == st1);
+    check_true("conv_update, " + std::string(B == 1 ? "no parallel-for " : "parallel ") + tag,
+               B == 1 ? counted.forks == 0 : counted.forks > 0, "forks " + std::to_string(counted.forks));
+  }
+}
+
 // conv_fwd over one fresh sequence of T tokens, D channels, W = 2, taps (0, 1) and a zero bias,
 // so y[t] = silu(0 * x[t-1] + x[t]): how the SiLU tests reach each ISA's vsilu / vsilu_bf16.
 void conv_silu_of_rows(const KernelTable& kt, DType act, const void* x, void* y, int64_t T, int64_t D) {
@@ -1387,6 +1432,7 @@ int main() {
         for (int W : {4, 3, 5})
           for (DType wdt : {DType::f32, DType::bf16})
             for (bool has_bias : {true, false}) test_conv(kt, act, ds, W, wdt, has_bias, rng);
+      test_conv_update_threads(kt, act, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_nonfinite(kt, act, sdt, rng);
       // The chunk at Qwen3-Next head dims (K = V = 128: GEMM depths of 128, 8 panels).

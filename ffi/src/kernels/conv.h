@@ -19,6 +19,10 @@
 constexpr int64_t kConvTokBlock = 64;    // prefill item: tokens x kConvChanBlock channels
 constexpr int64_t kConvChanBlock = 256;  // channels per item (prefill and update)
 constexpr int64_t kConvRowGroup = 8;     // update item: rows x kConvChanBlock channels
+// An update of at most this many tokens x channels x taps (its own rows' tokens) runs on the
+// calling thread alone: a few microseconds of work, less than waking a pool thread costs
+// (ffi/README.md, "The update of a few rows").
+constexpr int64_t kConvUpdateSerialWork = int64_t(64) << 10;
 constexpr int64_t kConvRun = 4;          // tokens per register-window run (prefill, spec update)
 constexpr int64_t kConvPrefetchRuns = 2;  // prefill: x rows prefetched this many runs ahead
 
@@ -602,7 +606,11 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
 }
 
 template <class T>
-void conv_update_impl(const ConvArgs& p, const Parallel& par) {
+void conv_update_impl(const ConvArgs& p, const Parallel& par_in) {
+  int64_t tokens = 0;  // the tokens of the rows this update owns
+  for (int64_t s = 0; s < p.S; ++s)
+    if (p.rows.owns(s)) tokens += p.query_start_loc[s + 1] - p.query_start_loc[s];
+  const Parallel par = tokens * p.D * p.W <= kConvUpdateSerialWork ? Parallel{} : par_in;
   auto run = [&](auto block) { conv_grid(p, par, p.S, kConvRowGroup, block); };
   conv_by_width(
       p, [&](auto w, auto silu) { run(conv_update_block<T, decltype(w)::value, decltype(silu)::value>); },
@@ -610,7 +618,7 @@ void conv_update_impl(const ConvArgs& p, const Parallel& par) {
   // Tokens past query_start_loc[S] belong to no row: zero.
   const int64_t total = p.query_start_loc[p.S];
   T* y = static_cast<T*>(p.y);
-  par(p.T - total, 64, [&](int64_t b, int64_t e) { conv_zero_rows(y, p.D, total + b, total + e, 0, p.D); });
+  par_in(p.T - total, 64, [&](int64_t b, int64_t e) { conv_zero_rows(y, p.D, total + b, total + e, 0, p.D); });
 }
 
 inline void conv_update(const ConvArgs& p, const Parallel& par) {
