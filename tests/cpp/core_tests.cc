@@ -315,7 +315,7 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
 // The decode update at D = 8192 (Qwen3-Next's channels), W = 4, on 4 threads: B = 1 (one token
 // x D x W = 32 Ki: under kConvUpdateSerialWork, so the caller runs it alone, no parallel-for) and
 // B = 9 (two row groups, 32 channel blocks: parallel) give the bits of the serial run. The rows'
-// slots are distinct, a padding row rides along, and two tokens past the last row are zeroed.
+// slots are distinct; a padding row (B = 9) and two tokens past the last row get zero outputs.
 void test_conv_update_threads(const KernelTable& kt, DType act, std::mt19937& rng) {
   const int64_t D = 8192, W = 4, L = W - 1, N = 12;
   const Act wa(D * W, rng, 0.5), ba(D, rng, 0.5), pool(N * L * D, rng);
@@ -352,6 +352,13 @@ void test_conv_update_threads(const KernelTable& kt, DType act, std::mt19937& rn
     kt.conv_update(p, Parallel{&counted, Counted::run, 4});
     const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " f32" : " bf16") + " B=" + std::to_string(B);
     check_true("conv_update, 4 threads = serial " + tag, y4 == y1 && st4 == st1);
+    bool zero = true;  // the padding row's output and the two tokens past the last row
+    auto zero_rows = [&](int64_t t0, int64_t t1) {
+      for (size_t i = size_t(t0 * D) * es; i < size_t(t1 * D) * es; ++i) zero &= y1[i] == 0;
+    };
+    if (B > 1) zero_rows(3, 4);
+    zero_rows(B, T);
+    check_true("conv_update, padding and uncovered tokens zero " + tag, zero);
     check_true("conv_update, " + std::string(B == 1 ? "no parallel-for " : "parallel ") + tag,
                B == 1 ? counted.forks == 0 : counted.forks > 0, "forks " + std::to_string(counted.forks));
   }
