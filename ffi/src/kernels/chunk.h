@@ -10,7 +10,8 @@
 // f32 micro-GEMM on VF
 // ---------------------------------------------------------------------------------------
 //
-// Cout(i, c) = (crs ? crs[i] * Cin(i, c) : 0) + sum_p A(i, p) * B(p, c),  N % 16 == 0.
+// Cout(i, c) = (crs ? crs[i] * Cin(i, c) : 0) + sum_p A(i, p) * B(p, c),  N % 16 == 0, depth
+// P >= 1 (every product here has one: a chunk holds at least one token, K >= 16).
 //
 // A(i, p) = A[i * rsa + p * csa]: any strides, A is broadcast one element at a time.
 // B, Cin, Cout are addressed per 16-column block: element (r, c) of a Mat lives at
@@ -47,16 +48,37 @@ enum GemmShape {
   kGemmTriDepth = 2,  // A lower triangular incl. diagonal, zeros stored above: depth p <= i
 };
 
-// Not inlined: inlined into a large caller, GCC stopped keeping the accumulator array in
-// registers (spills inside the depth loop, half the speed).
-template <int MR, int NV, class TO>
-__attribute__((noinline)) void gemm_tile(int np, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
-                                         Mat<const float> Cin, const float* crs, Mat<TO> Cout) {
+// One product's operands, built once per gemm_vf call; its tiles read them by reference.
+// Passing the three Mat by value to every tile made GCC copy each with a 16-byte load of two
+// 8-byte stores just made (a store-forwarding stall per tile call: ~3% of the Zen 4 prefill).
+template <class TO>
+struct GemmOperands {
+  const float* A;
+  int64_t rsa, csa;
+  Mat<const float> B, Cin;
+  const float* crs;
+  Mat<TO> Cout;
+};
+
+// Rows [i0, i0 + MR) x column blocks [cb, cb + NV) of Cout, depth np. Not inlined: inlined
+// into a large caller, GCC stopped keeping the accumulator array in registers (spills inside
+// the depth loop, half the speed). kScaleC (crs != null) is a template parameter, so that a
+// tile has one straight-line start.
+template <int MR, int NV, bool kScaleC, class TO>
+__attribute__((noinline)) void gemm_tile(const GemmOperands<TO>& g, int i0, int64_t cb, int np) {
+  // Without this GCC kept a copy of the accumulators on the stack for np = 0 (the loop not
+  // run), storing and reloading all of them around every tile.
+  if (np < 1) __builtin_unreachable();
+  const float* A = g.A + i0 * g.rsa;
+  const int64_t rsa = g.rsa, csa = g.csa;
+  const float* B = g.B.p + cb * g.B.bs;
+  const int64_t bld = g.B.ld, bbs = g.B.bs;
   VF acc[MR][NV];
-  if (crs != nullptr) {
+  if constexpr (kScaleC) {
+    const float* cin = g.Cin.p + cb * g.Cin.bs + i0 * g.Cin.ld;
     for (int r = 0; r < MR; ++r) {
-      const VF s = vset1(crs[r]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(Cin.p + c * Cin.bs + r * Cin.ld);
+      const VF s = vset1(g.crs[i0 + r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(cin + c * g.Cin.bs + r * g.Cin.ld);
     }
   } else {
     for (int r = 0; r < MR; ++r)
@@ -64,27 +86,28 @@ __attribute__((noinline)) void gemm_tile(int np, const float* A, int64_t rsa, in
   }
   for (int p = 0; p < np; ++p) {
     VF b[NV];
-    for (int c = 0; c < NV; ++c) b[c] = vload(B.p + c * B.bs + p * B.ld);
+    for (int c = 0; c < NV; ++c) b[c] = vload(B + c * bbs + p * bld);
     const float* a = A + p * csa;
     for (int r = 0; r < MR; ++r) {
       const VF av = vset1(a[r * rsa]);
       for (int c = 0; c < NV; ++c) acc[r][c] = vfma(av, b[c], acc[r][c]);
     }
   }
+  const int64_t out_ld = g.Cout.ld, out_bs = g.Cout.bs;
+  TO* out = g.Cout.p + cb * out_bs + i0 * out_ld;
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NV; ++c) vstore(Cout.p + c * Cout.bs + r * Cout.ld, acc[r][c]);
+    for (int c = 0; c < NV; ++c) vstore(out + c * out_bs + r * out_ld, acc[r][c]);
 }
 
-template <int NV, class TO>
-inline void gemm_tile_rows(int mr, int np, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
-                           Mat<const float> Cin, const float* crs, Mat<TO> Cout) {
+template <int NV, bool kScaleC, class TO>
+inline void gemm_tile_rows(int mr, const GemmOperands<TO>& g, int i0, int64_t cb, int np) {
   switch (mr) {
-    case 6: gemm_tile<6, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
-    case 5: gemm_tile<5, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
-    case 4: gemm_tile<4, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
-    case 3: gemm_tile<3, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
-    case 2: gemm_tile<2, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
-    default: gemm_tile<1, NV>(np, A, rsa, csa, B, Cin, crs, Cout); break;
+    case 6: gemm_tile<6, NV, kScaleC>(g, i0, cb, np); break;
+    case 5: gemm_tile<5, NV, kScaleC>(g, i0, cb, np); break;
+    case 4: gemm_tile<4, NV, kScaleC>(g, i0, cb, np); break;
+    case 3: gemm_tile<3, NV, kScaleC>(g, i0, cb, np); break;
+    case 2: gemm_tile<2, NV, kScaleC>(g, i0, cb, np); break;
+    default: gemm_tile<1, NV, kScaleC>(g, i0, cb, np); break;
   }
 }
 
@@ -93,13 +116,11 @@ inline void gemm_tile_rows(int mr, int np, const float* A, int64_t rsa, int64_t 
 // 1-3 rows is merged with the last full tile and split in two (32 rows: 6 6 6 6 4 4, not
 // 6 6 6 6 6 2): a 2-row tile keeps too few accumulator chains to fill the FMA pipes over their
 // latency (ffi/README.md, Chunked prefill, "Tile heights").
-template <class TO>
-inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
-                    Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
+template <bool kScaleC, class TO>
+inline void gemm_vf_blocks(int M, int N, int P, const GemmOperands<TO>& g, GemmShape shape) {
   for (int c0 = 0; c0 < N; c0 += kGemmNV * kLanes) {
     const int nv = N - c0 >= kGemmNV * kLanes ? kGemmNV : (N - c0) / kLanes;
     const int64_t cb = c0 / kLanes;
-    const Mat<const float> b{B.p + cb * B.bs, B.ld, B.bs};
     for (int i0 = 0, mr = 0; i0 < M; i0 += mr) {
       const int rest = M - i0;
       mr = rest < kGemmMR ? rest : kGemmMR;
@@ -107,14 +128,18 @@ inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t cs
       if (shape == kGemmTriCols && i0 + mr - 1 < c0) continue;
       int np = P;
       if (shape == kGemmTriDepth && i0 + mr < np) np = i0 + mr;
-      const float* a = A + i0 * rsa;
-      const Mat<const float> ci{crs == nullptr ? nullptr : Cin.p + cb * Cin.bs + i0 * Cin.ld, Cin.ld, Cin.bs};
-      const float* rs = crs == nullptr ? nullptr : crs + i0;
-      const Mat<TO> co{Cout.p + cb * Cout.bs + i0 * Cout.ld, Cout.ld, Cout.bs};
-      if (nv == 2) gemm_tile_rows<2 <= kGemmNV ? 2 : 1>(mr, np, a, rsa, csa, b, ci, rs, co);
-      else gemm_tile_rows<1>(mr, np, a, rsa, csa, b, ci, rs, co);
+      if (nv == 2) gemm_tile_rows<2 <= kGemmNV ? 2 : 1, kScaleC>(mr, g, i0, cb, np);
+      else gemm_tile_rows<1, kScaleC>(mr, g, i0, cb, np);
     }
   }
+}
+
+template <class TO>
+inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                    Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
+  const GemmOperands<TO> g{A, rsa, csa, B, Cin, crs, Cout};
+  if (crs != nullptr) gemm_vf_blocks<true>(M, N, P, g, shape);
+  else gemm_vf_blocks<false>(M, N, P, g, shape);
 }
 
 // gemm(): the micro-GEMM every product below calls; TA is the call's activation dtype. The
