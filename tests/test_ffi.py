@@ -328,3 +328,40 @@ np.save(sys.argv[1], np.concatenate([np.asarray(g).ravel(), np.asarray(beta).rav
         assert r.returncode == 0, r.stderr
         outs.append(np.load(out))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_parallel_counters_time_the_serving_step_handler():
+    """StepTimer (parallel.h): one serving step counts one handler call whose entry and return lie on
+    Python's monotonic clock inside the call's own wall time and hold its parallel-fors; a plain op is
+    no step; a refused batch (early return) still counts."""
+    import dataclasses
+    import time
+
+    from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, Request, build_batch
+
+    counters = _ffi._gdn_ffi.parallel_counters
+    cfg = GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32)
+    attn = GDNAttention(cfg, impl="native")
+    params = GDNParams.random(cfg, jax.random.key(0))
+    cache = GDNCache.create(cfg, num_slots=8)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, cfg.D)), cfg.act_dtype)
+    a = b = jnp.asarray(rng.standard_normal((4, cfg.num_v_heads)), cfg.act_dtype)
+    ok = build_batch([Request.decode(i) for i in range(4)], num_slots=8, token_bucket=4, row_bucket=4).metadata
+    bad = dataclasses.replace(ok, state_indices=jnp.full_like(ok.state_indices, 1))  # duplicate slots: refused
+    out, cache, st = attn.decode_with_status(x, b, a, params, cache, ok)
+    jax.block_until_ready((out, st))
+    for batch, accepted in ((ok, True), (bad, False)):
+        counters(True)
+        t0 = time.monotonic_ns()
+        out, cache, st = attn.decode_with_status(x, b, a, params, cache, batch)
+        jax.block_until_ready((out, cache, st))
+        t1 = time.monotonic_ns()
+        c = counters(True)
+        assert (int(np.asarray(st)[0]) == 0) == accepted, st
+        assert c["steps"] == 1, c
+        assert t0 <= c["step_entry_ns"] < c["step_exit_ns"] <= t1, (t0, c, t1)
+        assert c["step_ns"] == c["step_exit_ns"] - c["step_entry_ns"]
+        assert c["job_ns"] <= c["step_ns"], c
+    jax.block_until_ready(gdn_jax.fused_gdn_gating(a, b, A_log=params.A_log, dt_bias=params.dt_bias, impl="native"))
+    assert counters(True)["steps"] == 0

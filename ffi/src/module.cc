@@ -104,11 +104,12 @@ NB_MODULE(_gdn_ffi, m) {
   m.def(
       "parallel_counters",
       [](bool reset) {
-        // Benchmark-only: the fork/join counters of make_parallel (parallel.h), summed since
-        // the last reset.
+        // Benchmark-only: the fork/join counters of make_parallel and the serving steps'
+        // handler times (parallel.h), summed since the last reset.
         static const char* names[gdn::kNumParallelCounters] = {
             "jobs", "helpers", "helper_start_ns", "helper_start_max_ns", "late_helpers",
-            "helper_ranges", "ranges", "join_wait_ns", "join_sleeps", "job_ns"};
+            "helper_ranges", "ranges", "join_wait_ns", "join_sleeps", "job_ns", "steps", "step_ns",
+            "step_entry_ns", "step_exit_ns"};
         int64_t v[gdn::kNumParallelCounters];
         gdn::parallel_counters(v, reset);
         nb::dict d;

@@ -118,6 +118,15 @@ void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ct
 
 }  // namespace
 
+StepTimer::StepTimer() : t0_(now_ns()) { g_counters[kStepEntryNs].store(t0_, std::memory_order_relaxed); }
+
+StepTimer::~StepTimer() {
+  const int64_t t1 = now_ns();
+  count(kSteps, 1);
+  count(kStepNs, t1 - t0_);
+  g_counters[kStepExitNs].store(t1, std::memory_order_relaxed);
+}
+
 void parallel_counters(int64_t out[kNumParallelCounters], bool reset) {
   for (int i = 0; i < kNumParallelCounters; ++i)
     out[i] = reset ? g_counters[i].exchange(0, std::memory_order_relaxed) : g_counters[i].load(std::memory_order_relaxed);

@@ -21,8 +21,24 @@ enum ParallelCounter {
   kJoinWaitNs,       // caller's time from its last range to the end of the job
   kJoinSleeps,       // joins that went past the poll into the condition variable
   kJobNs,            // wall time of the parallel-fors, first schedule to join, in ns
+  kSteps,            // serving-step handler calls (gdn_jax_step), timed by StepTimer
+  kStepNs,           // their wall time, entry to return, summed, in ns
+  kStepEntryNs,      // the last one's entry and return on CLOCK_MONOTONIC (Python's time.monotonic_ns),
+  kStepExitNs,       // so that a caller can tell dispatch before the handler from the handler itself
   kNumParallelCounters
 };
 void parallel_counters(int64_t out[kNumParallelCounters], bool reset);
+
+// Benchmarks only: counts the enclosing handler call as one step (kSteps .. kStepExitNs).
+class StepTimer {
+ public:
+  StepTimer();
+  ~StepTimer();
+  StepTimer(const StepTimer&) = delete;
+  StepTimer& operator=(const StepTimer&) = delete;
+
+ private:
+  int64_t t0_;
+};
 
 }  // namespace gdn

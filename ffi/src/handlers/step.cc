@@ -20,6 +20,7 @@ static ffi::Error StepImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
                            ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::Buffer<ffi::F32>> gates, int32_t silu, int32_t layout, float scale,
                            float eps, int32_t l2norm, int32_t allowed_kinds) {
+  const StepTimer timer;  // benchmarks: the handler's own wall time (parallel.h)
   const char* op = "gdn_step";
   ConvArgs cv;
   if (auto e = conv_common(op, x, weight, bias, conv_state, layout, cv); e.failure()) return e;
