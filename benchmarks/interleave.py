@@ -10,12 +10,17 @@ fork/join counters of the kernels (parallel.h):
   sleep50       after 50 ms asleep
   read64        after numpy reads 64 MiB (the LLC evicted, no XLA work)
   fma50         after the native FMA probe ran 50 ms on every CPU (hot cores, no XLA, no memory)
+  spin50        after Python spun 50 ms on the caller's thread (no XLA work, no sleep)
+  program       the matmul block and the step in ONE jitted program, as a model runs them (wall, CPU
+                and wait: nan, they hold the block; the step's time is its handler's)
 
     PYTHONPATH=. python benchmarks/interleave.py --case decode_b8 --seconds 60
 
 A condition that costs more CPU time than idle points at the caches or the clock; one that costs the
-same CPU time but more wall time points at waiting (thread wake-up, run queue); "in fors ms" is the
-wall time inside the kernels' parallel-fors, the rest of the step being dispatch and serial work."""
+same CPU time but more wall time points at waiting (thread wake-up, run queue). The step's wall time
+splits into "to handler" (JAX's dispatch and XLA's launch, up to the step handler's entry), "handler"
+(its own wall time, StepTimer) and "return" (from its return to the results in Python); "in fors ms"
+is the part of the handler inside the kernels' parallel-fors."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +39,13 @@ import jax.numpy as jnp  # noqa: E402
 import run as R  # noqa: E402
 from gdn_jax import Request, _ffi  # noqa: E402
 
-CONDITIONS = ("idle", "b2b", "matmul", "matmul+sleep5", "sleep50", "read64", "fma50")
+CONDITIONS = ("idle", "b2b", "matmul", "matmul+sleep5", "sleep50", "read64", "fma50", "spin50", "program")
+
+
+def spin(seconds):
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        pass
 
 
 def make_case(name):
@@ -63,7 +74,9 @@ def main(argv=None):
     cpus = len(os.sched_getaffinity(0))
     before = {"idle": lambda: time.sleep(0.2), "b2b": lambda: None, "matmul": block,
               "matmul+sleep5": lambda: (block(), time.sleep(0.005)), "sleep50": lambda: time.sleep(0.05),
-              "read64": lambda: big.sum(), "fma50": lambda: fma(cpus, 0.05)}
+              "read64": lambda: big.sum(), "fma50": lambda: fma(cpus, 0.05), "spin50": lambda: spin(0.05),
+              "program": lambda: None}
+    program = R.in_program_call(call) if "program" in conds else None
     rec = {c: [] for c in conds}
     snap0, rounds = R._cpu_snapshot(), 0
     t_end = time.perf_counter() + args.seconds
@@ -72,26 +85,31 @@ def main(argv=None):
             before[c]()
             R._counters()
             r0, w0 = R.threads_ns()
-            t0 = time.perf_counter()
-            call()
-            dt = time.perf_counter() - t0
+            t0 = time.monotonic_ns()
+            (program if c == "program" else call)()
+            t1 = time.monotonic_ns()
             r1, w1 = R.threads_ns()
-            rec[c].append((dt * 1e3, (r1 - r0) / 1e6, (w1 - w0) / 1e6, R._counters()))
+            rec[c].append(((t1 - t0) / 1e6, (r1 - r0) / 1e6, (w1 - w0) / 1e6, R._counters(), (t0, t1)))
         rounds += 1
     fc = R.foreign_cores(snap0, R._cpu_snapshot())
     print(f"# {args.case}: {rounds} rounds, matmul block {block_ms:.0f} ms, other processes used {fc} cores "
           f"meanwhile (a loaded host lengthens every row; compare rows, not runs)")
-    base = np.median([x[0] for x in rec[conds[0]]])
-    print(f"{'condition':14s} {'wall ms':>8s} {'/ ' + conds[0]:>8s} {'cpu ms':>7s} {'rq wait':>8s} "
-          f"{'helper start us':>15s} {'late':>5s} {'join us':>8s} {'in fors ms':>10s}")
+    base = np.median([x[0] for x in rec[conds[0]]]) if conds[0] != "program" else float("nan")
+    nan = float("nan")
+    print(f"{'condition':14s} {'wall ms':>8s} {'/ ' + conds[0]:>8s} {'to handler us':>13s} {'handler ms':>10s} "
+          f"{'return us':>9s} {'cpu ms':>7s} {'rq wait':>8s} {'helper start us':>15s} {'late':>5s} {'join us':>8s} "
+          f"{'in fors ms':>10s}")
     for c in conds:
         xs = rec[c]
-        fj = R._fork_join([x[3] for x in xs]) or {}
-        wall = np.median([x[0] for x in xs])
-        print(f"{c:14s} {wall:8.3f} {wall / base:8.2f} {np.median([x[1] for x in xs]):7.2f} "
-              f"{np.median([x[2] for x in xs]):8.2f} {fj.get('helper_start_us', float('nan')):15.0f} "
-              f"{fj.get('late_helper_frac', float('nan')):5.2f} {fj.get('join_wait_us', float('nan')):8.0f} "
-              f"{fj['job_ms'] if fj.get('job_ms') is not None else float('nan'):10.3f}", flush=True)
+        fj = R._fork_join([x[3] for x in xs], [x[4] for x in xs]) or {}
+        val = lambda k: nan if fj.get(k) is None else fj[k]  # noqa: E731
+        wall = nan if c == "program" else np.median([x[0] for x in xs])  # the program's wall holds the block
+        cpu = nan if c == "program" else np.median([x[1] for x in xs])
+        wait = nan if c == "program" else np.median([x[2] for x in xs])
+        print(f"{c:14s} {wall:8.3f} {wall / base:8.2f} {nan if c == 'program' else val('to_handler_us'):13.0f} "
+              f"{val('handler_ms'):10.3f} {nan if c == 'program' else val('return_us'):9.0f} {cpu:7.2f} "
+              f"{wait:8.2f} {val('helper_start_us'):15.0f} {val('late_helper_frac'):5.2f} "
+              f"{val('join_wait_us'):8.0f} {val('job_ms'):10.3f}", flush=True)
 
 
 if __name__ == "__main__":

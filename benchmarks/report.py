@@ -153,14 +153,16 @@ def targets(res):
             note=f"step {r['native']['median_ms']:.3f} ms, kernels {ksum:.3f} ms"
                  + (f" + empty jitted call {empty:.3f} ms" if empty is not None else ""))
     # 2. decode and spec steps, B >= 8: >= 85% of the read-modify-write bandwidth, alone and interleaved
+    #    (a jitted call after the matmul block's, and the two in one program: the step's handler)
+    conds = (("", "alone"), ("_interleaved", "interleaved"), ("_in_program", "interleaved, one program"))
     for case in ("decode_b8", "decode_b32", "spec_8x4"):
         for st in ("fp32", "bf16"):
-            for suffix, cond in (("", "alone"), ("_interleaved", "interleaved")):
+            for suffix, cond in conds:
                 _frac_target(add, "decode/spec step: ≥ 85% of the read-modify-write bandwidth (state read + written)",
                              f"{case} {st} {cond}", _layer(res, case, st), suffix, 0.85)
     # 3. prefill steps, T >= 2048: >= 70% of the FMA peak
     for case in ("prefill_2048", "prefill_8192"):
-        for suffix, cond in (("", "alone"), ("_interleaved", "interleaved")):
+        for suffix, cond in conds:
             _frac_target(add, f"prefill step: ≥ 70% of the FMA peak (chunked algorithm's flops at C={res.get('chunk', 64)})",
                          f"{case} fp32 {cond}", _layer(res, case, "fp32"), suffix, 0.7)
     # 4. against the fast pure-JAX baseline, paired
@@ -396,15 +398,20 @@ def markdown(res, md_dir):
                   "CPU time and run-queue wait (runnable, not running) of this process's threads "
                   "(`/proc/self/task/*/schedstat`), and the fork/join of the kernels inside the step "
                   "(`parallel_counters`, ffi/src/parallel.h). More wait at the same CPU time is the scheduler, "
-                  "not the kernels (ffi/README.md, Limits). **In parallel-fors**: wall time inside the kernels' "
-                  "parallel-fors (fork to join); the rest of the step's wall time is dispatch, XLA and the "
-                  "handlers' serial parts.", "",
-                  "| case | state | wall ms | in parallel-fors ms | CPU ms | run-queue wait ms | parallel-fors | "
-                  "helper start µs | late helpers | ranges on helpers | join wait µs |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "not the kernels (ffi/README.md, Limits). **To handler**: from the call to the step handler's "
+                  "entry (JAX's dispatch, XLA's launch); **handler**: the handler's own wall time (`StepTimer`); "
+                  "**return**: from its return to the results in Python. **In parallel-fors**: wall time inside "
+                  "the kernels' parallel-fors (fork to join), part of the handler's.", "",
+                  "| case | state | wall ms | to handler µs | handler ms | return µs | in parallel-fors ms | CPU ms | "
+                  "run-queue wait ms | parallel-fors | helper start µs | late helpers | ranges on helpers | "
+                  "join wait µs |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r, a, b in fj:
                 ia, ib = r["native_interleaved"], r["native_b2b_pair"]
                 L.append(f"| {r['case']} | {r['state']} | {fmt(ia.get('median_ms'), '.3f')} / {fmt(ib.get('median_ms'), '.3f')} | "
+                         f"{fmt(a.get('to_handler_us'), '.0f')} / {fmt(b.get('to_handler_us'), '.0f')} | "
+                         f"{fmt(a.get('handler_ms'), '.3f')} / {fmt(b.get('handler_ms'), '.3f')} | "
+                         f"{fmt(a.get('return_us'), '.0f')} / {fmt(b.get('return_us'), '.0f')} | "
                          f"{fmt(a.get('job_ms'), '.3f')} / {fmt(b.get('job_ms'), '.3f')} | "
                          f"{fmt(ia.get('cpu_ms'), '.2f')} / {fmt(ib.get('cpu_ms'), '.2f')} | "
                          f"{fmt(ia.get('runqueue_wait_ms'), '.2f')} / {fmt(ib.get('runqueue_wait_ms'), '.2f')} | "
@@ -412,6 +419,21 @@ def markdown(res, md_dir):
                          f"{b['helper_start_us']:.0f} | {100 * a['late_helper_frac']:.0f}% / "
                          f"{100 * b['late_helper_frac']:.0f}% | {100 * a['helper_range_frac']:.0f}% / "
                          f"{100 * b['helper_range_frac']:.0f}% | {a['join_wait_us']:.0f} / {b['join_wait_us']:.0f} |")
+            L.append("")
+        prog = [r for r in res["layer"] if r.get("native_in_program")]
+        if prog:
+            L += ["The step inside one program, as a model runs it: one jitted program of the same matmul block and "
+                  "then the step (`in_program_call`), timed in turn with the rows above. The step pays no dispatch "
+                  "of its own there (a model's forward is one call), so its time is the handler's wall time "
+                  "(`StepTimer`), set beside the handler's time of the back-to-back pair.", "",
+                  "| case | state | in one program ms (handler) | rate (% roofline) | back-to-back handler ms | "
+                  "one program / back to back | in parallel-fors ms |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+            for r in prog:
+                p, b = r["native_in_program"], (r.get("native_b2b_pair") or {}).get("fork_join") or {}
+                L.append(f"| {r['case']} | {r['state']} | {_ms(p)} | {_rate(r, '_in_program')} | "
+                         f"{fmt(b.get('handler_ms'), '.3f')} | {_ratio(r.get('in_program_over_b2b_handler'))} | "
+                         f"{fmt((p.get('fork_join') or {}).get('job_ms'), '.3f')} |")
             L.append("")
     if res.get("ops"):
         L += ["## Ops: each op alone", "",
@@ -474,6 +496,7 @@ def plots(res, out_dir):
     styles = [("native", "gdn_jax op (native)", "o-"), ("reference", "gdn_jax reference op", "x:"),
               ("vllm", "vLLM kernel", "s--")]
     lstyles = [("native", "gdn_jax layer step", "o-"), ("native_interleaved", "gdn_jax layer step, interleaved", "v-"),
+               ("native_in_program", "gdn_jax layer step, in one program (handler)", "s-"),
                ("jnp_baseline", "jnp baseline (layer)", "^-."),
                ("vllm_forward", "vLLM forward (layer)", "D--")]
 

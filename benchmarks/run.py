@@ -474,6 +474,7 @@ def layer_call(kind, state_dtype, requests_sets, T, S, num_spec, N):
 
     for _ in range(2):
         call()
+    call.program = (fn, (x, b, a, params), state, batches)  # for in_program_call
     return call
 
 
@@ -495,6 +496,13 @@ MATMUL_BLOCK_MS = 50.0
 _MATMUL_BLOCK = {}
 
 
+def _matmul_chain(x, w, n):
+    """n chained [m, m] bf16 matmuls (f32 accumulation), the matmul block's work."""
+    for _ in range(n):
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16) / x.shape[0]
+    return x
+
+
 def matmul_block():
     """(call, median ms) of a jitted chain of 768 x 768 bf16 matmuls lasting about MATMUL_BLOCK_MS."""
     if "call" in _MATMUL_BLOCK:
@@ -504,11 +512,7 @@ def matmul_block():
     w = jnp.ones((m, m), jnp.bfloat16)
 
     def make(n):
-        @jax.jit
-        def f(x, w):
-            for _ in range(n):
-                x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16) / m
-            return x
+        f = jax.jit(lambda x, w: _matmul_chain(x, w, n))
         return lambda: jax.block_until_ready(f(x, w))
 
     def ms(call, reps=5):
@@ -522,8 +526,34 @@ def matmul_block():
 
     n = max(1, round(MATMUL_BLOCK_MS / ms(make(1))))
     call = make(n)
-    _MATMUL_BLOCK.update(call=call, ms=ms(call), n=n)
+    _MATMUL_BLOCK.update(call=call, ms=ms(call), n=n, operands=(x, w))
     return call, _MATMUL_BLOCK["ms"]
+
+
+def in_program_call(call):
+    """A warmed no-argument call of ONE jitted program that runs the matmul block and then the step of
+    `call` (a layer_call, same arguments, cache and batches), as a model jits its whole forward: the
+    step has no dispatch of its own there, so what it costs is its handler's wall time (StepTimer,
+    read from the counters by the caller)."""
+    matmul_block()
+    fn, args, state, batches = call.program
+    (mx, mw), n = _MATMUL_BLOCK["operands"], _MATMUL_BLOCK["n"]
+
+    def program(mx, mw, args, cache, batch):
+        y = _matmul_chain(mx, mw, n)
+        y, x = jax.lax.optimization_barrier((y, args[0]))  # the step starts after the block
+        out, cache, st = fn(x, *args[1:], cache, batch)
+        return y, out, cache, st
+
+    program = jax.jit(program, donate_argnums=(3,))
+
+    def run():
+        y, out, state["cache"], st = program(mx, mw, args, state["cache"], batches[state["i"] % len(batches)])
+        state["i"] += 1
+        jax.block_until_ready((y, out, st))
+
+    run()
+    return run
 
 
 def threads_ns():
@@ -552,18 +582,30 @@ def _counters():
     return f(True) if f is not None else None
 
 
-def _fork_join(cs):
+def _fork_join(cs, spans=None):
     """Per-call means of make_parallel's counters (parallel.h) over a list of per-call dicts; the time
-    inside the parallel-fors (job_ms) as the median per call, like the wall times it is read against."""
-    cs = [c for c in cs if c]
+    inside the parallel-fors (job_ms) and the serving-step handler's wall time (handler_ms, StepTimer)
+    as medians per call, like the wall times they are read against. With spans (each call's start and
+    end on time.monotonic_ns, the clock of the handler's stamps): the medians of the time from the call
+    to the handler's entry (to_handler_us: JAX's dispatch and XLA's launch) and from its return to the
+    call's end (return_us)."""
+    idx = [i for i, c in enumerate(cs) if c]
+    cs = [cs[i] for i in idx]
     if not cs:
         return None
     tot = {k: sum(c[k] for c in cs) for k in cs[0]}
     jobs, helpers = max(tot["jobs"], 1), max(tot["helpers"], 1)
-    return dict(jobs_per_call=tot["jobs"] / len(cs), helper_start_us=tot["helper_start_ns"] / helpers / 1e3,
-                late_helper_frac=tot["late_helpers"] / helpers, helper_range_frac=tot["helper_ranges"] / max(tot["ranges"], 1),
-                join_wait_us=tot["join_wait_ns"] / jobs / 1e3, join_sleep_frac=tot["join_sleeps"] / jobs,
-                job_ms=float(np.median([c["job_ns"] for c in cs])) / 1e6 if "job_ns" in tot else None)
+    med = lambda v: float(np.median(v)) if v else None  # noqa: E731
+    timed = [(i, c) for i, c in zip(idx, cs) if c.get("steps") == 1]  # one handler call: its stamps are its own
+    out = dict(jobs_per_call=tot["jobs"] / len(cs), helper_start_us=tot["helper_start_ns"] / helpers / 1e3,
+               late_helper_frac=tot["late_helpers"] / helpers, helper_range_frac=tot["helper_ranges"] / max(tot["ranges"], 1),
+               join_wait_us=tot["join_wait_ns"] / jobs / 1e3, join_sleep_frac=tot["join_sleeps"] / jobs,
+               job_ms=med([c["job_ns"] / 1e6 for c in cs]) if "job_ns" in tot else None,
+               handler_ms=med([c["step_ns"] / 1e6 for _, c in timed]))
+    if spans is not None:
+        out["to_handler_us"] = med([(c["step_entry_ns"] - spans[i][0]) / 1e3 for i, c in timed])
+        out["return_us"] = med([(spans[i][1] - c["step_exit_ns"]) / 1e3 for i, c in timed])
+    return out
 
 
 def empty_call_ms(target):
@@ -578,31 +620,44 @@ def empty_call_ms(target):
 
 def interleaved_step(call, target, tokens):
     """The step after other XLA work, as in a model: a matmul block (untimed), then the step (timed:
-    "interleaved"), then the step again right after it (timed: "back to back"), in turn, so that the
-    two conditions see the same machine. Returns (interleaved stats, back-to-back stats, fork/join
-    counters of each)."""
+    "interleaved"), then the step again right after it (timed: "back to back"), then one program of
+    the matmul block and the step together (in_program_call; timed: the step's handler, "in one
+    program"), in turn, so that the conditions see the same machine. Returns the stats of each
+    (interleaved, back to back, in one program; None where the extension has no StepTimer), with
+    the fork/join counters of the first two."""
     block, block_ms = matmul_block()
+    program = in_program_call(call)
     step_ms = max(layer_step(call, 0.0, tokens)["median_ms"], 1e-3)
-    n = int(min(30, max(8, target * 1e3 / (block_ms + 2 * step_ms))))
-    inter, b2b, c_inter, c_b2b, s_inter, s_b2b = [], [], [], [], [], []
+    n = int(min(30, max(8, target * 1e3 / (2 * block_ms + 3 * step_ms))))
+    inter, b2b, c_inter, c_b2b, s_inter, s_b2b, t_inter, t_b2b, c_prog = [], [], [], [], [], [], [], [], []
     snap0 = _cpu_snapshot()
     for _ in range(n):
         block()
-        for times, cs, ss in ((inter, c_inter, s_inter), (b2b, c_b2b, s_b2b)):
+        for times, cs, ss, spans in ((inter, c_inter, s_inter, t_inter), (b2b, c_b2b, s_b2b, t_b2b)):
             _counters()
             r0, w0 = threads_ns()
-            t0 = time.perf_counter()
+            t0 = time.monotonic_ns()
             call()
-            times.append((time.perf_counter() - t0) * 1e3)
+            t1 = time.monotonic_ns()
+            times.append((t1 - t0) / 1e6)
+            spans.append((t0, t1))
             r1, w1 = threads_ns()
             cs.append(_counters())
             ss.append(((r1 - r0) / 1e6, (w1 - w0) / 1e6))
+        _counters()
+        program()
+        c_prog.append(_counters())
     si, sb = stats(inter, snap0, tokens), stats(b2b, snap0, tokens)
     for st, ss in ((si, s_inter), (sb, s_b2b)):
         st.update(cpu_ms=float(np.median([x[0] for x in ss])), runqueue_wait_ms=float(np.median([x[1] for x in ss])))
-    si.update(matmul_block_ms=block_ms, fork_join=_fork_join(c_inter))
-    sb.update(fork_join=_fork_join(c_b2b))
-    return si, sb
+    si.update(matmul_block_ms=block_ms, fork_join=_fork_join(c_inter, t_inter))
+    sb.update(fork_join=_fork_join(c_b2b, t_b2b))
+    handler = [c["step_ns"] / 1e6 for c in c_prog if c and c.get("steps") == 1]
+    sp = None
+    if len(handler) == len(c_prog):
+        sp = stats(handler, snap0, tokens)
+        sp.update(matmul_block_ms=block_ms, fork_join=_fork_join(c_prog))
+    return si, sb, sp
 
 
 class PairedBench:
@@ -706,8 +761,13 @@ def run_layer(quick, target, baseline_path, no_wait):
                    work=case["work"], vllm_case=case["vllm"][0])
         row["native"] = layer_step(call, target, case["tokens"])
         row["empty_call_ms"] = empty
-        row["native_interleaved"], row["native_b2b_pair"] = interleaved_step(call, target, case["tokens"])
+        row["native_interleaved"], row["native_b2b_pair"], prog = interleaved_step(call, target, case["tokens"])
         row["interleaved_over_b2b"] = row["native_interleaved"]["median_ms"] / row["native_b2b_pair"]["median_ms"]
+        b2b_handler = (row["native_b2b_pair"].get("fork_join") or {}).get("handler_ms")
+        if prog is not None:
+            row["native_in_program"] = prog
+            if b2b_handler:
+                row["in_program_over_b2b_handler"] = prog["median_ms"] / b2b_handler
         if bl is not None:
             # The baseline times its own jitted call through bl.bench; PairedBench runs ours in turn with it.
             wait = (None if no_wait else
@@ -745,7 +805,9 @@ def run_layer(quick, target, baseline_path, no_wait):
                  if "jnp_baseline" in row else "")
         print(f"[layer {n}/{len(all_cases)} {time.perf_counter() - _RUN_T0[0]:5.0f} s] {row['case']:14s} {row['state']:5s} "
               f"gdn_jax {ours['median_ms']:9.3f} ms  interleaved {inter['median_ms']:9.3f} ms "
-              f"(x{row['interleaved_over_b2b']:.2f} its back-to-back pair)  step / kernels "
+              f"(x{row['interleaved_over_b2b']:.2f} its back-to-back pair)"
+              + (f"  in one program {row['native_in_program']['median_ms']:9.3f} ms (handler)"
+                 if "native_in_program" in row else "") + "  step / kernels "
               f"x{row['paired_kernels']['step_over_kernels']:.2f} (paired){extra}", flush=True)
     return rows
 
@@ -934,6 +996,7 @@ def main(argv=None):
     for r in ops_rows + layer_rows:
         report.add_rates(r, r.get("native"), roof)
         report.add_rates(r, r.get("native_interleaved"), roof, "_interleaved")
+        report.add_rates(r, r.get("native_in_program"), roof, "_in_program")
 
     vjson = vllm.pop("json", None)
     if vjson is not None:

@@ -128,6 +128,18 @@ def test_ratio_columns_come_from_the_measured_medians(quick_run):
         if os.path.exists("/proc/self/task"):  # our threads' CPU time per step: positive, below 64 x wall
             for st in (r["native_interleaved"], r["native_b2b_pair"]):
                 assert 0 < st["cpu_ms"] < 64 * st["p90_ms"] and st["runqueue_wait_ms"] >= 0, st
+        # A separate call splits into dispatch, the handler and the hand-back; each median is within the call's
+        # own wall times (the three need not add up: medians of different calls).
+        for st in (r["native_interleaved"], r["native_b2b_pair"]):
+            fj = st["fork_join"]
+            assert 0 < fj["handler_ms"] <= st["p90_ms"] and fj["job_ms"] <= st["p90_ms"], fj
+            assert 0 <= fj["to_handler_us"] / 1e3 <= st["p90_ms"] and 0 <= fj["return_us"] / 1e3 <= st["p90_ms"], fj
+        # In one program with the matmul block: the step's handler, one per call, beside the b2b pair's handler.
+        prog = r["native_in_program"]
+        assert prog["iters"] == r["native_b2b_pair"]["iters"] and prog["fork_join"]["jobs_per_call"] > 0
+        assert _close(r["in_program_over_b2b_handler"], prog["median_ms"] / r["native_b2b_pair"]["fork_join"]["handler_ms"])
+        assert _close(r["gbs_in_program" if r["unit"] == "bytes" else "gflops_in_program"],
+                      r["work"] / prog["median_ms"] / 1e6)
 
 
 def test_layer_rows_time_ours_and_the_baseline_in_turn(quick_run):
@@ -228,6 +240,7 @@ def test_report_and_plots(quick_run):
         assert head in md, head
     assert res["env"]["isa"] in md and res["env"]["command"] in md
     assert md.count("| decode |") >= 1
+    assert "The step inside one program" in md and "| to handler µs |" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -492,10 +505,12 @@ def test_targets_from_synthetic_numbers():
     # A decode step of 2.2 ms alone (kernels 2.0 + 0.3 = 2.3 ms: 0.96x), 2.5 ms interleaved: 15.1 / 13.4 GB/s of
     # state = 75% / 67% of the rmw bandwidth.
     lay = dict(case="decode_b8", state="fp32", unit="bytes", work=dec["work"], tokens=8, native=_nat(2.2),
-               native_interleaved=_nat(2.5), native_paired=_nat(2.4), jnp_baseline=dict(variant="loop", median_ms=4.8))
+               native_interleaved=_nat(2.5), native_in_program=_nat(1.9), native_paired=_nat(2.4),
+               jnp_baseline=dict(variant="loop", median_ms=4.8))
     lay["speedup_vs_jnp_baseline"] = 2.0
     report.add_rates(lay, lay["native"], roof)
     report.add_rates(lay, lay["native_interleaved"], roof, "_interleaved")
+    report.add_rates(lay, lay["native_in_program"], roof, "_in_program")
     # The same step timed in turns with its kernels: the target takes that ratio (1.2x: not met).
     lay32 = dict(case="decode_b32", state="fp32", unit="bytes", work=4 * dec["work"], tokens=32, native=_nat(8.0),
                  paired_kernels=dict(rounds=9, step_ms=8.4, kernel_ms=dict(conv_update=1.0, recurrence=6.0), empty_ms=0.1,
@@ -516,6 +531,9 @@ def test_targets_from_synthetic_numbers():
     assert t[(bw, "decode_b8 fp32 alone")]["status"] == "not met" and _close(t[(bw, "decode_b8 fp32 alone")]["value"],
                                                                               dec["work"] / 2.2e6 / 20)
     assert _close(t[(bw, "decode_b8 fp32 interleaved")]["value"], dec["work"] / 2.5e6 / 20)
+    one = t[(bw, "decode_b8 fp32 interleaved, one program")]  # 17.7 GB/s: 88% of rmw
+    assert one["status"] == "met" and _close(one["value"], dec["work"] / 1.9e6 / 20)
+    assert t[(bw, "decode_b32 fp32 interleaved, one program")]["status"] == "not measured"
     assert t[(bw, "decode_b32 fp32 alone")]["status"] == "not measured"
     assert t[("≥ 2.5x the fast pure-JAX baseline (layer step, paired)", "decode_b8 fp32")]["status"] == "not met"
     assert t[("never slower than vLLM's kernel (op)", "decode B=8 f32")]["status"] == "not met"  # 1.8 / 2.0
@@ -622,19 +640,25 @@ def test_bandwidth_probe_touches_every_element_as_its_mode_says():
 
 def test_interleave_tool_reports_every_condition(capsys):
     """benchmarks/interleave.py: one round of each asked condition, a row each with positive wall and
-    CPU time (the tool behind ffi/README.md's item-3 table)."""
+    CPU time, the handler's time inside the wall time (the tool behind ffi/README.md's item-3 table);
+    the one-program condition has the handler's time only."""
     gdn_jax = pytest.importorskip("gdn_jax")
     if not gdn_jax.native_available():
         pytest.skip("native extension not built")
     il = _load("interleave")
     il.R.MATMUL_BLOCK_MS = 5.0  # a small block: this is a smoke test
-    il.main(["--case", "decode_b1", "--seconds", "0", "--conditions", "idle,b2b,matmul,fma50"])
-    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] and
-            ln.split()[0] in ("idle", "b2b", "matmul", "fma50")]
-    assert [r[0] for r in rows] == ["idle", "b2b", "matmul", "fma50"]
+    conds = ["idle", "b2b", "matmul", "fma50", "spin50", "program"]
+    il.main(["--case", "decode_b1", "--seconds", "0", "--conditions", ",".join(conds)])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] and ln.split()[0] in conds]
+    assert [r[0] for r in rows] == conds
     for r in rows:
-        wall, cpu = float(r[1]), float(r[3])
+        wall, to_handler, handler, back, cpu = (float(r[i]) for i in (1, 3, 4, 5, 6))
+        assert handler > 0, r
+        if r[0] == "program":
+            assert math.isnan(wall) and math.isnan(to_handler) and math.isnan(cpu), r
+            continue
         assert wall > 0 and (cpu > 0 or not os.path.exists("/proc/self/task")), r
+        assert handler <= wall and 0 <= to_handler / 1e3 <= wall and 0 <= back / 1e3 <= wall, r
 
 
 def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
@@ -651,3 +675,15 @@ def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
     assert fj["late_helper_frac"] == pytest.approx(2 / 6) and fj["join_wait_us"] == pytest.approx(5.0)
     assert run._fork_join([base])["job_ms"] is None  # an extension without the counter
     assert run._fork_join([None, {}]) is None
+    # StepTimer: the handler's wall time per call, and with the calls' spans (monotonic ns) what came before
+    # and after it; a call that did not run exactly one handler (a refused batch never does) has no stamps
+    # of its own and is left out of those medians.
+    step = lambda entry, exit_: dict(base, job_ns=500_000, steps=1, step_ns=exit_ - entry,  # noqa: E731
+                                     step_entry_ns=entry, step_exit_ns=exit_)
+    calls = [step(1_100_000, 2_000_000), step(10_050_000, 11_000_000), dict(base, job_ns=1, steps=0, step_ns=0,
+                                                                          step_entry_ns=0, step_exit_ns=0)]
+    spans = [(1_000_000, 2_030_000), (10_000_000, 11_010_000), (20_000_000, 20_100_000)]
+    fj = run._fork_join(calls, spans)
+    assert fj["handler_ms"] == pytest.approx((0.9 + 0.95) / 2)
+    assert fj["to_handler_us"] == pytest.approx((100 + 50) / 2) and fj["return_us"] == pytest.approx((30 + 10) / 2)
+    assert "to_handler_us" not in run._fork_join(calls)
