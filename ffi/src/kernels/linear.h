@@ -20,31 +20,73 @@ constexpr int kLinearMT = kLinearRegs >= 21 ? 4 : kLinearRegs >= 7 ? 2 : 1;
 constexpr int kLinearNT = kLinearRegs >= 21 ? 4 : 2;
 constexpr int kLinearNT1 = kLinearRegs >= 21 ? 8 : kLinearRegs >= 6 ? 4 : 2;
 
-template <int MT, int NT, class TX, class TW>
-inline void linear_tile(const TX* x, const TW* w, int64_t in, float out[MT][NT]) {
+// How a tile steps along `in`: kElems elements per step, loaded by load / load_n (lanes past n
+// zero), multiplied and added into the f32 partial sums by madd; kPrefetchW: prefetch the w
+// rows ahead.
+struct LinearFmaStep {  // f32 FMAs on f32 vectors (bf16 operands widened exactly on load)
+  static constexpr int kElems = kLanes;
+  static constexpr bool kPrefetchW = false;
+  template <class T>
+  static VF load(const T* p) { return vload(p); }
+  template <class T>
+  static VF load_n(const T* p, int n) { return vload_n(p, n); }
+  static VF madd(VF acc, VF a, VF b) { return vfma(a, b, acc); }
+};
+#if defined(GDN_BF16_DOT)
+// bf16 x and bf16 w where the ISA has bf16 dot products: the raw bf16 rows, 32 elements per
+// step, lane j summing the pairs (2j, 2j + 1) mod 32 in order of i. The products are exact in
+// f32 and every sum is rounded once, as with the FMAs; only the order differs, and it is again
+// one fixed order per output element. Twice the products per instruction and no widening leave
+// the w rows' arrival as the limit at decode: they are prefetched ~1 KiB ahead into L2
+// (ffi/README.md, "Projections (linear)").
+struct LinearDotStep {
+  static constexpr int kElems = kDotElems;
+  static constexpr bool kPrefetchW = true;
+  static VB load(const bf16* p) { return vload_b(p); }
+  static VB load_n(const bf16* p, int n) { return vload_b_n(p, n); }
+  static VF madd(VF acc, VB a, VB b) { return vdot_bf16(acc, a, b); }
+};
+#endif
+
+template <int MT, int NT, class Step, class TX, class TW>
+inline void linear_tile_steps(const TX* x, const TW* w, int64_t in, float out[MT][NT]) {
+  using XV = decltype(Step::load(x));
+  using WV = decltype(Step::load(w));
   VF acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = vzero();
   int64_t i = 0;
-  for (; i + kLanes <= in; i += kLanes) {
-    VF xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = vload(x + m * in + i);
+  for (; i + Step::kElems <= in; i += Step::kElems) {
+    XV xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = Step::load(x + m * in + i);
     for (int n = 0; n < NT; ++n) {
-      const VF wv = vload(w + n * in + i);
-      for (int m = 0; m < MT; ++m) acc[m][n] = vfma(xv[m], wv, acc[m][n]);
+      if constexpr (Step::kPrefetchW) __builtin_prefetch(w + n * in + i + 512, 0, 2);
+      const WV wv = Step::load(w + n * in + i);
+      for (int m = 0; m < MT; ++m) acc[m][n] = Step::madd(acc[m][n], xv[m], wv);
     }
   }
   if (i < in) {  // zero-padded tail: adds 0 * 0 to the lanes past `in`
     const int r = int(in - i);
-    VF xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = vload_n(x + m * in + i, r);
+    XV xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = Step::load_n(x + m * in + i, r);
     for (int n = 0; n < NT; ++n) {
-      const VF wv = vload_n(w + n * in + i, r);
-      for (int m = 0; m < MT; ++m) acc[m][n] = vfma(xv[m], wv, acc[m][n]);
+      const WV wv = Step::load_n(w + n * in + i, r);
+      for (int m = 0; m < MT; ++m) acc[m][n] = Step::madd(acc[m][n], xv[m], wv);
     }
   }
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) out[m][n] = vsum(acc[m][n]);
+}
+
+template <int MT, int NT, class TX, class TW>
+inline void linear_tile(const TX* x, const TW* w, int64_t in, float out[MT][NT]) {
+#if defined(GDN_BF16_DOT)
+  if constexpr (std::is_same_v<TX, bf16> && std::is_same_v<TW, bf16>) {
+    linear_tile_steps<MT, NT, LinearDotStep>(x, w, in, out);
+    return;
+  }
+#endif
+  linear_tile_steps<MT, NT, LinearFmaStep>(x, w, in, out);
 }
 
 // Rows [t0, t0 + MT) x [o0, o1) in tiles of NT w rows (then single rows); xr: x's row t0.
@@ -80,10 +122,17 @@ inline void linear_block(const float* x, const TW* w, TY* y, int64_t in, int64_t
   linear_block_rows(x + t0 * in, w, y, in, out, t0, t1, o0, o1);
 }
 // bf16 x: widened once per block into f32 scratch (exact), so the tiles spend no conversion
-// on x rows that every w row of the block reuses.
+// on x rows that every w row of the block reuses; with a bf16 w on a bf16 dot-product ISA the
+// tiles read x's bf16 rows as they are.
 template <class TW, class TY>
 inline void linear_block(const bf16* x, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t t1,
                          int64_t o0, int64_t o1) {
+#if defined(GDN_BF16_DOT)
+  if constexpr (std::is_same_v<TW, bf16>) {
+    linear_block_rows(x + t0 * in, w, y, in, out, t0, t1, o0, o1);
+    return;
+  }
+#endif
   float* xf = thread_scratch<float, 2>((t1 - t0) * in);
   const bf16* src = x + t0 * in;
   const int64_t n = (t1 - t0) * in;

@@ -32,6 +32,22 @@ inline __m256i vf_to_bf16_bits(VF x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 #endif
 }
+#if defined(__AVX512BF16__)
+// bf16 dot products (VDPBF16PS), used where both operands are bf16 already (kernels/linear.h).
+// VB holds 32 bf16, i.e. 16 pairs; vdot_bf16 adds pair j's two products to lane j, each
+// product exact in f32 and each sum rounded to nearest even as an FMA would (denormal inputs
+// and results flush to zero).
+#define GDN_BF16_DOT 1
+constexpr int kDotElems = 32;
+struct VB {
+  __m512bh v;
+};
+inline VB vload_b(const bf16* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+inline VB vload_b_n(const bf16* p, int n) {  // elements past n are zero
+  return {(__m512bh)_mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1u, p)};
+}
+inline VF vdot_bf16(VF acc, VB a, VB b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+#endif
 inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
 inline void vstore(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vf_to_bf16_bits(x)); }
 inline void vstore_n(float* p, VF x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x.v); }
