@@ -4,9 +4,10 @@ For Qwen3-Next-80B and Qwen3.5-27B layer shapes with bf16 weights and activation
 state), times the jitted layer step (GatedDeltaNetLayer, native kernels, cache donated) and
 its parts alone, each jitted: in_proj (the four projections), the attention core
 (GDNAttention: conv + gating + recurrence / chunk), the gated RMSNorm and out_proj. The
-projections' GFLOP/s are compared with this machine's f32 FMA peak, measured in the same run
-by the native probe (without a bf16 dot-product instruction, AVX2 has no faster bf16 path:
-bf16 operands are widened and use the same FMAs).
+projections' GFLOP/s are compared with this machine's bf16 peak, measured in the same run by
+the native probes: the bf16 dot-product peak where the ISA has one (AVX512-BF16's vdpbf16ps,
+which the projections' kernel uses for bf16 x and w), else the f32 FMA peak (without a bf16
+dot instruction bf16 operands are widened and use the same FMAs).
 
     PYTHONPATH=. python benchmarks/layer_breakdown.py            # writes benchmarks/LAYER.md
     PYTHONPATH=. python benchmarks/layer_breakdown.py --quick    # small shapes, a smoke run
@@ -117,7 +118,7 @@ def run_case(name, dims, kind, n, peak, log, compare_xla=False):
                xla_proj=xla)
     log(f"  {row['model']:<15} {row['case']:<14} step {t['step']:9.2f} ms  in_proj {t['in_proj']:8.2f}  core "
         f"{t['core']:8.2f}  norm {t['norm']:6.2f}  out_proj {t['out_proj']:8.2f}  projections "
-        f"{gflops:6.1f} GFLOP/s = {100 * row['proj_peak']:.0f}% of the FMA peak")
+        f"{gflops:6.1f} GFLOP/s = {100 * row['proj_peak']:.0f}% of the bf16 peak")
     return row
 
 
@@ -133,15 +134,21 @@ def main(argv=None) -> int:
         return 1
     threads = os.cpu_count() or 1
     from gdn_jax import _ffi
-    peak = max(_ffi._gdn_ffi.fma_peak_gflops(threads, 0.3) for _ in range(3))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import roofline
+
+    fma = roofline.fma_peak_gflops(threads)
+    bf16_peak, bf16_source = roofline.bf16_dot_peak(gdn_jax.selected_isa(), threads, fma)
+    peak = bf16_peak or fma
+    peak_text = (f"f32 FMA peak {fma:.1f} GFLOP/s, bf16 peak {peak:.1f} GFLOP/s ({bf16_source})")
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    print(f"layer breakdown on {cpu}, {threads} threads, ISA {gdn_jax.selected_isa()}, f32 FMA peak {peak:.1f} "
-          f"GFLOP/s (native probe), jax {jax.__version__}", flush=True)
+    print(f"layer breakdown on {cpu}, {threads} threads, ISA {gdn_jax.selected_isa()}, {peak_text}, jax "
+          f"{jax.__version__}", flush=True)
     models = QUICK_MODELS if args.quick else MODELS
     cases = [("decode", 1), ("decode", 8), ("prefill", 64 if args.quick else args.prefill_tokens)]
     rows = []
@@ -153,9 +160,9 @@ def main(argv=None) -> int:
         return 0
     lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",
              f"`PYTHONPATH=. python benchmarks/layer_breakdown.py` on {cpu}, {threads} threads, ISA "
-             f"{gdn_jax.selected_isa()}, jax {jax.__version__}; f32 FMA peak {peak:.1f} GFLOP/s (native probe, same "
-             "run). Medians in ms. `parts` is the sum of the four parts timed alone.", "",
-             "| model | case | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | % of FMA peak |",
+             f"{gdn_jax.selected_isa()}, jax {jax.__version__}; {peak_text}; native probes, same run. Medians in "
+             "ms. `parts` is the sum of the four parts timed alone.", "",
+             "| model | case | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | % of bf16 peak |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     if args.compare_xla:
         lines[-2] += " projections on XLA's dot |"

@@ -17,9 +17,10 @@ def test_layer_breakdown_quick():
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_breakdown.py"), "--quick"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s", p.stdout)
+    assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s, bf16 peak \d+\.\d GFLOP/s \(", p.stdout)
     rows = [line for line in p.stdout.splitlines() if "step" in line and "projections" in line]
     assert len(rows) == 3
     for line in rows:
         times = [float(v) for v in re.findall(r"(?:step|in_proj|core|norm|out_proj)\s+(\d+\.\d+)", line)]
         assert len(times) == 5 and all(v > 0 for v in times), line
+        assert re.search(r"\d+\.\d GFLOP/s = \d+% of the bf16 peak", line), line
