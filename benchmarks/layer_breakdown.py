@@ -134,13 +134,13 @@ def main(argv=None) -> int:
         return 1
     threads = os.cpu_count() or 1
     from gdn_jax import _ffi
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import roofline
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as run.py does
+    import roofline  # noqa: E402
 
     fma = roofline.fma_peak_gflops(threads)
     bf16_peak, bf16_source = roofline.bf16_dot_peak(gdn_jax.selected_isa(), threads, fma)
     peak = bf16_peak or fma
-    peak_text = (f"f32 FMA peak {fma:.1f} GFLOP/s, bf16 peak {peak:.1f} GFLOP/s ({bf16_source})")
+    peak_text = f"f32 FMA peak {fma:.1f} GFLOP/s, bf16 peak {peak:.1f} GFLOP/s ({bf16_source})"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

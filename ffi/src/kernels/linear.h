@@ -34,11 +34,11 @@ struct LinearFmaStep {  // f32 FMAs on f32 vectors (bf16 operands widened exactl
 };
 #if defined(GDN_BF16_DOT)
 // bf16 x and bf16 w where the ISA has bf16 dot products: the raw bf16 rows, 32 elements per
-// step, lane j summing the pairs (2j, 2j + 1) mod 32 in order of i. The products are exact in
-// f32 and every sum is rounded once, as with the FMAs; only the order differs, and it is again
-// one fixed order per output element. Twice the products per instruction and no widening leave
-// the w rows' arrival as the limit at decode: they are prefetched ~1 KiB ahead into L2
-// (ffi/README.md, "Projections (linear)").
+// step, lane j adding the products of elements 2j + 1 and 2j of each step. The products are
+// exact in f32 and every sum is rounded once, as with the FMAs; only the order differs, and it
+// is again one fixed order per output element. Twice the products per instruction and no
+// widening leave the w rows' arrival as the limit at decode: they are prefetched ~1 KiB ahead
+// into L2 (ffi/README.md, "Projections (linear)").
 struct LinearDotStep {
   static constexpr int kElems = kDotElems;
   static constexpr bool kPrefetchW = true;

@@ -34,9 +34,9 @@ inline __m256i vf_to_bf16_bits(VF x) {
 }
 #if defined(__AVX512BF16__)
 // bf16 dot products (VDPBF16PS), used where both operands are bf16 already (kernels/linear.h).
-// VB holds 32 bf16, i.e. 16 pairs; vdot_bf16 adds pair j's two products to lane j, each
-// product exact in f32 and each sum rounded to nearest even as an FMA would (denormal inputs
-// and results flush to zero).
+// VB holds 32 bf16, i.e. 16 pairs; vdot_bf16 adds pair j's two products to lane j (element
+// 2j + 1's first), each product exact in f32 and each sum rounded to nearest even as an FMA
+// would (denormal inputs and results flush to zero).
 #define GDN_BF16_DOT 1
 constexpr int kDotElems = 32;
 struct VB {
