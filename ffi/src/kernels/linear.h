@@ -21,11 +21,11 @@ constexpr int kLinearNT = kLinearRegs >= 21 ? 4 : 2;
 constexpr int kLinearNT1 = kLinearRegs >= 21 ? 8 : kLinearRegs >= 6 ? 4 : 2;
 
 // How a tile steps along `in`: kElems elements per step, loaded by load / load_n (lanes past n
-// zero), multiplied and added into the f32 partial sums by madd; kPrefetchW: prefetch the w
-// rows ahead.
+// zero), multiplied and added into the f32 partial sums by madd; kPrefetchW: how many
+// elements ahead the w rows are prefetched (0: not at all).
 struct LinearFmaStep {  // f32 FMAs on f32 vectors (bf16 operands widened exactly on load)
   static constexpr int kElems = kLanes;
-  static constexpr bool kPrefetchW = false;
+  static constexpr int64_t kPrefetchW = 0;
   template <class T>
   static VF load(const T* p) { return vload(p); }
   template <class T>
@@ -41,12 +41,23 @@ struct LinearFmaStep {  // f32 FMAs on f32 vectors (bf16 operands widened exactl
 // into L2 (ffi/README.md, "Projections (linear)").
 struct LinearDotStep {
   static constexpr int kElems = kDotElems;
-  static constexpr bool kPrefetchW = true;
+  static constexpr int64_t kPrefetchW = 512;
   static VB load(const bf16* p) { return vload_b(p); }
   static VB load_n(const bf16* p, int n) { return vload_b_n(p, n); }
   static VF madd(VF acc, VB a, VB b) { return vdot_bf16(acc, a, b); }
 };
 #endif
+
+// Whether bf16 x and w take the dot-product step: then the x rows are read as they are, not
+// widened per block (linear_block), and the tiles use LinearDotStep (linear_tile).
+template <class TX, class TW>
+constexpr bool linear_dot() {
+#if defined(GDN_BF16_DOT)
+  return std::is_same_v<TX, bf16> && std::is_same_v<TW, bf16>;
+#else
+  return false;
+#endif
+}
 
 template <int MT, int NT, class Step, class TX, class TW>
 inline void linear_tile_steps(const TX* x, const TW* w, int64_t in, float out[MT][NT]) {
@@ -60,7 +71,7 @@ inline void linear_tile_steps(const TX* x, const TW* w, int64_t in, float out[MT
     XV xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = Step::load(x + m * in + i);
     for (int n = 0; n < NT; ++n) {
-      if constexpr (Step::kPrefetchW) __builtin_prefetch(w + n * in + i + 512, 0, 2);
+      if constexpr (Step::kPrefetchW > 0) __builtin_prefetch(w + n * in + i + Step::kPrefetchW, 0, 2);
       const WV wv = Step::load(w + n * in + i);
       for (int m = 0; m < MT; ++m) acc[m][n] = Step::madd(acc[m][n], xv[m], wv);
     }
@@ -81,7 +92,7 @@ inline void linear_tile_steps(const TX* x, const TW* w, int64_t in, float out[MT
 template <int MT, int NT, class TX, class TW>
 inline void linear_tile(const TX* x, const TW* w, int64_t in, float out[MT][NT]) {
 #if defined(GDN_BF16_DOT)
-  if constexpr (std::is_same_v<TX, bf16> && std::is_same_v<TW, bf16>) {
+  if constexpr (linear_dot<TX, TW>()) {
     linear_tile_steps<MT, NT, LinearDotStep>(x, w, in, out);
     return;
   }
@@ -127,12 +138,10 @@ inline void linear_block(const float* x, const TW* w, TY* y, int64_t in, int64_t
 template <class TW, class TY>
 inline void linear_block(const bf16* x, const TW* w, TY* y, int64_t in, int64_t out, int64_t t0, int64_t t1,
                          int64_t o0, int64_t o1) {
-#if defined(GDN_BF16_DOT)
-  if constexpr (std::is_same_v<TW, bf16>) {
+  if constexpr (linear_dot<bf16, TW>()) {
     linear_block_rows(x + t0 * in, w, y, in, out, t0, t1, o0, o1);
     return;
   }
-#endif
   float* xf = thread_scratch<float, 2>((t1 - t0) * in);
   const bf16* src = x + t0 * in;
   const int64_t n = (t1 - t0) * in;
