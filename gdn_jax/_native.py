@@ -166,3 +166,12 @@ def linear(x, w, out_dtype=None):
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype if out_dtype is None else out_dtype)
     call = jax.ffi.ffi_call(TARGET_PREFIX + "linear", out, vmap_method="sequential")
     return call(x, w)
+
+
+def linear_packed(x, w_data, n_out: int, out_dtype=None):
+    """x [T, in] @ w.T -> [T, n_out] with w packed (ops.pack_linear_weight; ``w_data``
+    [ceil(n_out / 16), ceil(in / 2), 16, 2] bf16); as :func:`linear` otherwise."""
+    require_native()
+    out = jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype if out_dtype is None else out_dtype)
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "linear_packed", out, vmap_method="sequential")
+    return call(x, w_data)

@@ -157,26 +157,103 @@ def fused_gdn_gating(a, b, *, A_log, dt_bias, impl: str = "auto"):
 # --- projection ------------------------------------------------------------------------------
 
 
+PACK_BLOCK = 16  # outputs per block of a packed weight
+
+
+class PackedLinearWeight:
+    """A bf16 ``[out, in]`` weight packed once for :func:`linear` (:func:`pack_linear_weight`).
+
+    ``data`` [ceil(out / 16), ceil(in / 2), 16, 2] bf16 with ``data[b, p, j, k] = w[16 b + j,
+    2 p + k]``, zero past ``out`` and ``in``: 16 outputs per block, each block one contiguous
+    stream along ``in`` in the pairs a bf16 dot product takes, so the kernel reads every weight
+    once per call at decode and keeps 16 outputs in one vector (ffi/README.md, "Projections
+    (linear)"). A pytree: ``data`` is its leaf, ``shape`` (out, in) static.
+    """
+
+    def __init__(self, data, shape):
+        self.data = data
+        self.shape = tuple(int(d) for d in shape)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def unpack(self):
+        """The ``[out, in]`` weight."""
+        n_out, n_in = self.shape
+        nb, np_ = self.data.shape[:2]
+        return jnp.transpose(self.data, (0, 2, 1, 3)).reshape(nb * PACK_BLOCK, np_ * 2)[:n_out, :n_in]
+
+    def __repr__(self) -> str:
+        return f"PackedLinearWeight(shape={self.shape}, data={getattr(self.data, 'shape', '?')})"
+
+
+jax.tree_util.register_pytree_node(
+    PackedLinearWeight, lambda p: ((p.data,), p.shape), lambda shape, leaves: PackedLinearWeight(leaves[0], shape))
+
+
+def packed_shape(n_out: int, n_in: int) -> tuple:
+    """Shape of the packed data of an ``[n_out, n_in]`` weight."""
+    return (-(-n_out // PACK_BLOCK), -(-n_in // 2), PACK_BLOCK, 2)
+
+
+def pack_linear_weight(w) -> PackedLinearWeight:
+    """Pack a bf16 ``[out, in]`` weight for :func:`linear` (once, at load time).
+
+    Same results as the plain weight, to the accumulation order; on the CPU kernels it is the
+    fast layout (a decode step reads each weight once). Only bf16 is packed: packing an f32
+    weight would round it.
+    Args:
+      w: [out, in] bf16 (Hugging Face's ``nn.Linear`` layout).
+    Returns:
+      :class:`PackedLinearWeight` of ``w``.
+    """
+    n_out, n_in = C.check_rank("w", w, 2, "[out, in]")
+    if jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"w must be bfloat16 to be packed (an f32 weight would be rounded), got {jnp.dtype(w.dtype)}")
+    nb, np_ = packed_shape(n_out, n_in)[:2]
+    wp = jnp.pad(jnp.asarray(w), ((0, nb * PACK_BLOCK - n_out), (0, np_ * 2 - n_in)))
+    return PackedLinearWeight(jnp.transpose(wp.reshape(nb, PACK_BLOCK, np_, 2), (0, 2, 1, 3)), (n_out, n_in))
+
+
+def _check_packed(w: PackedLinearWeight, n_in: int) -> int:
+    n_out, w_in = w.shape
+    if w_in != n_in:
+        raise ValueError(f"w must be packed from [out, in] with in={n_in} (the last dim of x), got in={w_in}")
+    C.check_shape("w.data", w.data, packed_shape(n_out, n_in), "[ceil(out / 16), ceil(in / 2), 16, 2]")
+    C.check_dtype("w.data", w.data, (jnp.bfloat16,))
+    return n_out
+
+
 def linear(x, w, *, out_dtype=None, impl: str = "auto"):
     """The layer's projections: ``y = x @ w.T`` with f32 accumulation and one rounding.
 
     Args:
       x: [T, in] f32 or bf16.
-      w: [out, in] f32 or bf16 (Hugging Face's ``nn.Linear`` layout).
+      w: [out, in] f32 or bf16 (Hugging Face's ``nn.Linear`` layout), or a bf16 weight packed
+        by :func:`pack_linear_weight` (:class:`PackedLinearWeight`).
       out_dtype: f32 or bf16; default x's dtype.
     Returns:
       y: [T, out] ``out_dtype``.
     """
     T, n_in = C.check_rank("x", x, 2, "[T, in]")
     C.check_dtype("x", x, C.ACT_DTYPES)
-    n_out = C.check_rank("w", w, 2, "[out, in]")[0]
-    C.check_shape("w", w, (n_out, n_in), f"[out, in] with in={n_in} (the last dim of x)")
-    C.check_dtype("w", w, C.ACT_DTYPES)
+    packed = isinstance(w, PackedLinearWeight)
+    if packed:
+        n_out = _check_packed(w, n_in)
+    else:
+        n_out = C.check_rank("w", w, 2, "[out, in]")[0]
+        C.check_shape("w", w, (n_out, n_in), f"[out, in] with in={n_in} (the last dim of x)")
+        C.check_dtype("w", w, C.ACT_DTYPES)
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in C.ACT_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if resolve_impl(impl) == "native":
-        return _native.linear(x, w, out_dtype)
+        return _native.linear_packed(x, w.data, n_out, out_dtype) if packed else _native.linear(x, w, out_dtype)
+    if packed:  # contract x's pairs with the blocks as stored: no unpacked copy of w
+        xp = jnp.pad(x, ((0, 0), (0, w.data.shape[1] * 2 - n_in))).reshape(T, w.data.shape[1], 2)
+        y = jnp.einsum("tpk,bpjk->tbj", xp, w.data, preferred_element_type=jnp.float32)
+        return y.reshape(T, -1)[:, :n_out].astype(out_dtype)
     y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 

@@ -6,7 +6,7 @@ import pytest
 
 import gdn_jax
 from f64_math import bf16_round, rel_rmse
-from gdn_jax.ops import linear
+from gdn_jax.ops import PackedLinearWeight, linear, pack_linear_weight
 
 ISAS = gdn_jax.available_isas()
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -82,3 +82,69 @@ def test_static_errors_name_the_argument(impl):
         linear(x, w.astype(jnp.int32), impl=impl)
     with pytest.raises(TypeError, match="out_dtype"):
         linear(x, w, out_dtype=jnp.float16, impl=impl)
+
+
+# --- packed weights (ops.pack_linear_weight) --------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", ISAS + ["reference"])
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("T,n_in,n_out", [(1, 17, 9), (8, 64, 50), (13, 100, 48), (67, 257, 130)])
+def test_packed_matches_f64(isa, x_dtype, out_dtype, T, n_in, n_out):
+    rng = np.random.default_rng(T * 1000 + n_in + 1)
+    x = bf16_round(rng.normal(size=(T, n_in)))
+    w = bf16_round(rng.normal(size=(n_out, n_in)) * 0.05)
+    wp = pack_linear_weight(jnp.asarray(w, jnp.bfloat16))
+    fn = jax.jit(lambda x_, w_: linear(x_, w_, out_dtype=out_dtype, impl="reference" if isa == "reference" else "native"))
+    if isa == "reference":
+        y = fn(jnp.asarray(x, x_dtype), wp)
+    else:
+        with gdn_jax.use_isa(isa):
+            y = fn(jnp.asarray(x, x_dtype), wp)
+    _check(y, x @ w.T, jnp.dtype(out_dtype))
+
+
+@pytest.mark.parametrize("n_out,n_in", [(1, 1), (9, 17), (32, 64), (33, 3)])
+def test_pack_layout_and_round_trip(n_out, n_in):
+    rng = np.random.default_rng(n_out + n_in)
+    w = jnp.asarray(rng.normal(size=(n_out, n_in)), jnp.bfloat16)
+    wp = pack_linear_weight(w)
+    nb, np_ = -(-n_out // 16), -(-n_in // 2)
+    assert wp.shape == (n_out, n_in) and wp.dtype == jnp.bfloat16 and wp.data.shape == (nb, np_, 16, 2)
+    d, w64 = np.asarray(wp.data, np.float64), np.asarray(w, np.float64)
+    for o, i in [(0, 0), (n_out - 1, n_in - 1), (n_out // 2, n_in // 3)]:
+        assert d[o // 16, i // 2, o % 16, i % 2] == w64[o, i]
+    full = np.zeros((nb * 16, np_ * 2))
+    full[:n_out, :n_in] = w64
+    np.testing.assert_array_equal(d.transpose(0, 2, 1, 3).reshape(nb * 16, np_ * 2), full)   # zero padding
+    np.testing.assert_array_equal(np.asarray(wp.unpack(), np.float64), w64)
+    leaves, tree = jax.tree_util.tree_flatten(wp)   # a pytree: data is the leaf, the shape static
+    assert len(leaves) == 1 and jax.tree_util.tree_unflatten(tree, leaves).shape == (n_out, n_in)
+
+
+def test_packed_under_vmap():
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(bf16_round(rng.normal(size=(3, 4, 40))), jnp.bfloat16)
+    w = bf16_round(rng.normal(size=(24, 40)))
+    wp = pack_linear_weight(jnp.asarray(w, jnp.bfloat16))
+    y = jax.vmap(lambda x_: linear(x_, wp, impl="native"))(x)
+    assert y.dtype == jnp.bfloat16 and y.shape == (3, 4, 24)
+    assert np.all(_bf16_steps(y, np.einsum("bti,oi->bto", np.asarray(x, np.float64), w)) <= 1)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_packed_errors_name_the_argument(impl):
+    x = jnp.zeros((2, 8), jnp.bfloat16)
+    w = jnp.zeros((20, 8), jnp.bfloat16)
+    with pytest.raises(TypeError, match="w must be bfloat16 to be packed"):
+        pack_linear_weight(w.astype(jnp.float32))
+    with pytest.raises(ValueError, match="w must be"):
+        pack_linear_weight(w[0])
+    wp = pack_linear_weight(w)
+    with pytest.raises(ValueError, match="w must be packed from .* in=7"):
+        linear(x[:, :7], wp, impl=impl)
+    with pytest.raises(ValueError, match=r"w.data must be \[ceil\(out / 16\)"):
+        linear(x, PackedLinearWeight(wp.data[:1], wp.shape), impl=impl)
+    with pytest.raises(TypeError, match="w.data must have dtype bfloat16"):
+        linear(x, PackedLinearWeight(wp.data.astype(jnp.float32), wp.shape), impl=impl)

@@ -30,6 +30,7 @@ XLA_FFI_Error* GdnBatchStatus(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnStep(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBandwidthProbe(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnLinear(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnLinearPacked(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnZeroPool(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
@@ -72,6 +73,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["step"] = capsule(gdn::GdnStep);
     d["bandwidth_probe"] = capsule(gdn::GdnBandwidthProbe);  // benchmarks only
     d["linear"] = capsule(gdn::GdnLinear);
+    d["linear_packed"] = capsule(gdn::GdnLinearPacked);
     d["zero_pool"] = capsule(gdn::GdnZeroPool);
     return d;
   });

@@ -115,9 +115,23 @@ struct ThreadedParallel {
   Parallel par() { return Parallel{&threads, run, threads}; }
 };
 
-// y = x w^T against float64: f32 output within 1e-6 relative RMSE; bf16 output one rounding
-// (within one bf16 step of the exact value, except where the exact value is tiny against the
-// row's scale, where f32 accumulation error may exceed a step); bit-identical on 3 threads.
+// f32 y within 1e-6 relative RMSE of ref; bf16 y within one bf16 step of it, except where ref
+// is tiny against the largest |ref| (f32 accumulation error may exceed a step there).
+void check_linear_y(const std::string& tag, const std::vector<double>& got, const std::vector<double>& ref, DType ydt) {
+  if (ydt == DType::f32) return check(tag, rel_rmse(got, ref), 1e-6);
+  double scale = 0;
+  for (double r : ref) scale = std::max(scale, std::fabs(r));
+  int64_t bad = 0;
+  for (size_t k = 0; k < ref.size(); ++k) {
+    if (std::fabs(ref[k]) < 1e-4 * scale) continue;
+    const int diff = int(bf16_bits(float(got[k]))) - int(bf16_bits(float(ref[k])));
+    bad += std::abs(diff) > 1;
+  }
+  check_true(tag + " within 1 bf16 step", bad == 0, bad ? std::to_string(bad) + " differ" : "");
+}
+
+// y = x w^T against float64 (check_linear_y: one rounding of an f32 accumulation);
+// bit-identical on 3 threads.
 void test_linear(const KernelTable& kt, DType xdt, DType wdt, DType ydt, int64_t T, int64_t in, int64_t out,
                  std::mt19937& rng) {
   const std::string tag = std::string("x ") + (xdt == DType::f32 ? "f32" : "bf16") + " w " +
@@ -125,13 +139,11 @@ void test_linear(const KernelTable& kt, DType xdt, DType wdt, DType ydt, int64_t
                           " " + std::to_string(T) + "x" + std::to_string(in) + "x" + std::to_string(out);
   Act x(size_t(T * in), rng), w(size_t(out * in), rng);
   std::vector<double> ref(size_t(T * out));
-  double scale = 0;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t o = 0; o < out; ++o) {
       double s = 0;
       for (int64_t i = 0; i < in; ++i) s += x.f64[t * in + i] * w.f64[o * in + i];
       ref[t * out + o] = s;
-      scale = std::max(scale, std::fabs(s));
     }
   const size_t ybytes = size_t(T * out) * (ydt == DType::f32 ? 4 : 2);
   std::vector<uint8_t> y1(ybytes, 0xAB), y3(ybytes, 0xCD);
@@ -140,18 +152,49 @@ void test_linear(const KernelTable& kt, DType xdt, DType wdt, DType ydt, int64_t
   ThreadedParallel tp{3};
   p.y = y3.data();
   kt.linear(p, tp.par());
-  const std::vector<double> got = read_act(y1.data(), ydt, size_t(T * out));
-  if (ydt == DType::f32) {
-    check("linear " + tag, rel_rmse(got, ref), 1e-6);
-  } else {
-    int64_t bad = 0;
-    for (size_t k = 0; k < ref.size(); ++k) {
-      if (std::fabs(ref[k]) < 1e-4 * scale) continue;
-      const int diff = int(bf16_bits(float(got[k]))) - int(bf16_bits(float(ref[k])));
-      bad += std::abs(diff) > 1;
+  check_linear_y("linear " + tag, read_act(y1.data(), ydt, size_t(T * out)), ref, ydt);
+  check_true("linear " + tag + " 3 threads bit-identical", y1 == y3);
+}
+
+// The packed w of gdn_jax.ops.pack_linear_weight: wp[b, p, j, k] = w[16 b + j, 2 p + k], zero
+// past out and in.
+std::vector<uint16_t> pack_w(const Act& w, int64_t in, int64_t out) {
+  const int64_t nb = (out + 15) / 16, np = (in + 1) / 2;
+  std::vector<uint16_t> wp(size_t(nb * np * 32), 0);
+  const uint16_t* src = w.b16.data();
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i) wp[size_t(((o / 16) * np + i / 2) * 32 + (o % 16) * 2 + i % 2)] = src[o * in + i];
+  return wp;
+}
+
+// linear_packed against float64 as test_linear; the bytes of y past T x out untouched.
+void test_linear_packed(const KernelTable& kt, DType xdt, DType ydt, int64_t T, int64_t in, int64_t out,
+                        std::mt19937& rng) {
+  const std::string tag = std::string("packed x ") + (xdt == DType::f32 ? "f32" : "bf16") + " y " +
+                          (ydt == DType::f32 ? "f32" : "bf16") + " " + std::to_string(T) + "x" + std::to_string(in) +
+                          "x" + std::to_string(out);
+  Act x(size_t(T * in), rng), w(size_t(out * in), rng);
+  const std::vector<uint16_t> wp = pack_w(w, in, out);
+  std::vector<double> ref(size_t(T * out));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0;
+      for (int64_t i = 0; i < in; ++i) s += x.f64[t * in + i] * w.f64[o * in + i];
+      ref[t * out + o] = s;
     }
-    check_true("linear " + tag + " within 1 bf16 step", bad == 0, bad ? std::to_string(bad) + " differ" : "");
-  }
+  const size_t esz = ydt == DType::f32 ? 4 : 2, ybytes = size_t(T * out) * esz, guard = 64;
+  std::vector<uint8_t> y1(ybytes + guard, 0xAB), y3(ybytes + guard, 0xCD);
+  LinearArgs p{xdt, DType::bf16, ydt, x.ptr(xdt), wp.data(), y1.data(), T, in, out};
+  kt.linear_packed(p, Parallel{});
+  ThreadedParallel tp{3};
+  p.y = y3.data();
+  kt.linear_packed(p, tp.par());
+  const std::vector<double> got = read_act(y1.data(), ydt, size_t(T * out));
+  check_linear_y("linear " + tag, got, ref, ydt);
+  check_true("linear " + tag + " nothing written past y",
+             std::all_of(y1.begin() + ybytes, y1.end(), [](uint8_t b) { return b == 0xAB; }));
+  y1.resize(ybytes);
+  y3.resize(ybytes);
   check_true("linear " + tag + " 3 threads bit-identical", y1 == y3);
 }
 
@@ -1467,6 +1510,13 @@ int main() {
             test_linear(kt, xdt, wdt, ydt, s[0], s[1], s[2], rng);
           test_linear(kt, xdt, wdt, ydt, 67, 257, 600, rng);
         }
+    // Packed w: odd `in` (the zero-padded last pair), out past the last full block, 1 .. 3
+    // blocks per tile, row tiles and the rows left, several row blocks (threaded split).
+    for (DType xdt : {DType::f32, DType::bf16})
+      for (DType ydt : {DType::f32, DType::bf16})
+        for (auto s : {std::array<int64_t, 3>{1, 1, 1}, {1, 17, 9}, {3, 15, 5}, {5, 33, 13}, {2, 100, 31}, {8, 64, 50},
+                       {12, 2, 48}, {9, 64, 64}, {67, 257, 600}, {130, 40, 70}})
+          test_linear_packed(kt, xdt, ydt, s[0], s[1], s[2], rng);
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;

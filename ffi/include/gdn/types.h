@@ -138,7 +138,7 @@ inline int64_t v_row_stride(const Args& p) { return p.v_ld ? p.v_ld : p.HV * p.V
 struct LinearArgs {
   DType x_dtype, w_dtype, y_dtype;
   const void* x;  // [T, in]
-  const void* w;  // [out, in]
+  const void* w;  // [out, in]; linear_packed: [ceil(out / 16), ceil(in / 2), 16, 2] bf16
   void* y;        // [T, out]
   int64_t T, in, out;
 };
@@ -157,6 +157,7 @@ struct KernelTable {
   // The chunk size chunk() uses for a sequence of `len` tokens (`forced`: ChunkArgs::chunk_size).
   int (*chunk_size_for)(int forced, int64_t len) = nullptr;
   void (*linear)(const LinearArgs&, const Parallel&) = nullptr;
+  void (*linear_packed)(const LinearArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
   int64_t fma_probe_flops = 0;                   // per iteration
   // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.

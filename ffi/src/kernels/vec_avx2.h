@@ -72,6 +72,16 @@ inline __m256i ps_to_bf16x16(VF x) {
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(lo, 16), _mm256_srli_epi32(hi, 16)), 0xD8);
 }
 
+// 16 bf16 pairs (32 elements): lane j of even / odd = element 2j / 2j + 1, widened exactly
+// (the plain lane order, unlike vload_pairs).
+inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+  *even = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+  *odd = {_mm256_castsi256_ps(_mm256_and_si256(a, hi)), _mm256_castsi256_ps(_mm256_and_si256(b, hi))};
+}
+
 // The pair order of 16 consecutive elements: lo holds the even ones (0, 2, .., 14), hi the odd
 // ones. 32 bytes of bf16 widen to it with one shift and one and (the odd element of each
 // 32-bit word already sits in its high half), and narrow from it with one shift and one word

@@ -47,7 +47,19 @@ inline VB vload_b_n(const bf16* p, int n) {  // elements past n are zero
   return {(__m512bh)_mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1u, p)};
 }
 inline VF vdot_bf16(VF acc, VB a, VB b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+// Pair p[0], p[1] in every 32-bit lane (the x side of the packed projection, linear_packed.h).
+inline VB vbcast_b_pair(const bf16* p) {
+  int32_t u;
+  std::memcpy(&u, p, sizeof u);
+  return {(__m512bh)_mm512_set1_epi32(u)};
+}
 #endif
+// 16 bf16 pairs (32 elements): lane j of even / odd = element 2j / 2j + 1, widened exactly.
+inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
+  const __m512i u = _mm512_loadu_si512(p);
+  *even = {_mm512_castsi512_ps(_mm512_slli_epi32(u, 16))};
+  *odd = {_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))))};
+}
 inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
 inline void vstore(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vf_to_bf16_bits(x)); }
 inline void vstore_n(float* p, VF x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x.v); }

@@ -34,6 +34,15 @@ inline V4 widen4(const bf16* p) {
   return (V4)(__builtin_convertvector(h, VU4) << 16);
 }
 inline VF vload(const bf16* p) { GDN_VF_MAP(widen4(p + 4 * j)); }
+// 16 bf16 pairs (32 elements): lane j of even / odd = element 2j / 2j + 1, widened exactly.
+inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
+  for (int j = 0; j < 4; ++j) {
+    VU4 u;
+    std::memcpy(&u, p + 8 * j, sizeof u);
+    even->q[j] = (V4)(u << 16);
+    odd->q[j] = (V4)(u & 0xffff0000u);
+  }
+}
 template <class T>
 inline VF vload_n(const T* p, int n) {
   float t[kLanes] = {};

@@ -20,6 +20,15 @@ inline VF vload(const bf16* p) {
   return {{bf16x4_to_f32(vget_low_u16(a)), bf16x4_to_f32(vget_high_u16(a)), bf16x4_to_f32(vget_low_u16(b)),
            bf16x4_to_f32(vget_high_u16(b))}};
 }
+// 16 bf16 pairs (32 elements): lane j of even / odd = element 2j / 2j + 1, widened exactly.
+inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+  for (int j = 0; j < 4; ++j) {
+    const uint32x4_t w = vld1q_u32(u + 4 * j);
+    even->v[j] = vreinterpretq_f32_u32(vshlq_n_u32(w, 16));
+    odd->v[j] = vreinterpretq_f32_u32(vandq_u32(w, vdupq_n_u32(0xffff0000u)));
+  }
+}
 template <class T>
 inline VF vload_n(const T* p, int n) {
   if (n >= kLanes) return vload(p);

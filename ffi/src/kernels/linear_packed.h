@@ -1,0 +1,148 @@
+// Dense projection over a packed w (gdn_jax.ops.pack_linear_weight): y[t, o] = sum_i x[t, i] *
+// w[o, i], f32 accumulation, one rounding to y's dtype. Included inside the ISA namespace,
+// after linear.h.
+//
+// wp [ceil(out / 16), ceil(in / 2), 16, 2] bf16, wp[b, p, j, k] = w[16 b + j, 2 p + k], zero
+// past `out` and `in`: block b holds 16 consecutive outputs, one vector lane each, as one
+// contiguous stream along `in`; pair p of a block is the 64 bytes vdpbf16ps takes. A tile of MT
+// x rows by NB blocks broadcasts each x pair to 16 lanes, so one w vector serves MT rows and
+// one x pair NB * 16 outputs (the [out, in] kernel reuses an x vector for NT outputs only and
+// reduces every partial sum across lanes at the end; here lane j is output j's whole sum).
+// Every output is summed in one order, pair by pair along `in` (element 2p + 1's product, then
+// 2p's), whatever the tile, block or thread.
+
+constexpr int kPackBlock = 16;  // outputs per block: one VF
+// x rows per tile; blocks per tile by step (PackedDotStep::kNB, PackedFmaStep::kNB).
+constexpr int kPackedMT = kLinearRegs >= 21 ? 8 : kLinearRegs >= 8 ? 4 : 2;
+
+// bf16 x and w widened exactly: two FMAs per pair on f32 vectors.
+struct PackedFmaStep {
+  static constexpr int kNB = kLinearRegs >= 21 ? 2 : 1;
+  struct W {
+    VF even, odd;
+  };
+  struct X {
+    VF x0, x1;
+  };
+  static W load_w(const bf16* p) {
+    W w;
+    vload_pair_split(p, &w.even, &w.odd);
+    return w;
+  }
+  template <class TX>
+  static X load_x(const TX* p) { return {vset1(to_f32(p[0])), vset1(to_f32(p[1]))}; }
+  static VF madd(VF acc, const W& w, const X& x) { return vfma(w.even, x.x0, vfma(w.odd, x.x1, acc)); }
+};
+#if defined(GDN_BF16_DOT)
+// bf16 x and w on the bf16 dot product: one instruction per pair, same sums as the FMAs.
+struct PackedDotStep {
+  static constexpr int kNB = 3;
+  using W = VB;
+  using X = VB;
+  static W load_w(const bf16* p) { return vload_b(p); }
+  static X load_x(const bf16* p) { return vbcast_b_pair(p); }
+  static VF madd(VF acc, W w, X x) { return vdot_bf16(acc, w, x); }
+};
+#endif
+
+// Rows [0, MT) of x (row stride `in`) by blocks [0, NB) of wb (block stride `bstride`
+// elements): the tile's sums, stored to y (row stride `out`) for outputs [o0, out).
+template <int MT, int NB, class Step, class TX, class TY>
+inline void packed_tile(const TX* x, const bf16* wb, int64_t bstride, TY* y, int64_t in, int64_t out, int64_t o0) {
+  VF acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = vzero();
+  const int64_t pairs = in / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    typename Step::W wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = Step::load_w(wb + n * bstride + 2 * kPackBlock * p);
+    for (int m = 0; m < MT; ++m) {
+      const typename Step::X xv = Step::load_x(x + m * in + 2 * p);
+      for (int n = 0; n < NB; ++n) acc[m][n] = Step::madd(acc[m][n], wv[n], xv);
+    }
+  }
+  if (in & 1) {  // the last pair: x's element and a zero (w's is zero by the packing)
+    typename Step::W wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = Step::load_w(wb + n * bstride + 2 * kPackBlock * pairs);
+    for (int m = 0; m < MT; ++m) {
+      const TX pair[2] = {x[m * in + in - 1], TX{}};
+      const typename Step::X xv = Step::load_x(pair);
+      for (int n = 0; n < NB; ++n) acc[m][n] = Step::madd(acc[m][n], wv[n], xv);
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    const int64_t o = o0 + n * kPackBlock;
+    const int64_t left = out - o;
+    for (int m = 0; m < MT; ++m) {
+      if (left >= kPackBlock) vstore(y + m * out + o, acc[m][n]);
+      else vstore_n(y + m * out + o, acc[m][n], int(left));
+    }
+  }
+}
+
+// One tile of `rows` (1 .. kPackedMT - 1) x rows: the rows left after the full tiles.
+template <int NB, class Step, int MT = kPackedMT - 1, class TX, class TY>
+inline void packed_tile_left(int rows, const TX* x, const bf16* wb, int64_t bstride, TY* y, int64_t in, int64_t out,
+                             int64_t o0) {
+  if constexpr (MT >= 1) {
+    if (rows == MT) return packed_tile<MT, NB, Step>(x, wb, bstride, y, in, out, o0);
+    packed_tile_left<NB, Step, MT - 1>(rows, x, wb, bstride, y, in, out, o0);
+  }
+}
+
+// Rows [t0, t1) by blocks [b0, b0 + nb), nb <= Step::kNB: tiles of kPackedMT rows, then one
+// tile of the rows left.
+template <int NB, class Step, class TX, class TY>
+inline void packed_rows(const TX* x, const bf16* wp, int64_t bstride, TY* y, int64_t in, int64_t out, int64_t t0,
+                        int64_t t1, int64_t b0) {
+  const bf16* wb = wp + b0 * bstride;
+  const int64_t o0 = b0 * kPackBlock;
+  int64_t t = t0;
+  for (; t + kPackedMT <= t1; t += kPackedMT)
+    packed_tile<kPackedMT, NB, Step>(x + t * in, wb, bstride, y + t * out, in, out, o0);
+  const int left = int(t1 - t);
+  if (left > 0) packed_tile_left<NB, Step>(left, x + t * in, wb, bstride, y + t * out, in, out, o0);
+}
+
+template <class Step, class TX, class TY>
+void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
+  const TX* x = static_cast<const TX*>(p.x);
+  const bf16* wp = static_cast<const bf16*>(p.w);
+  TY* y = static_cast<TY*>(p.y);
+  const int64_t T = p.T, in = p.in, out = p.out;
+  if (T == 0 || out == 0) return;
+  constexpr int NB = Step::kNB;
+  const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock;
+  const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock;
+  // Work items: NB blocks (one tile's width) by 64 x rows. At prefill a thread's consecutive
+  // items share the blocks, which stay in L2 while the x rows pass; at decode (one row block)
+  // each item streams its blocks from memory once.
+  const int64_t n_tiles = (n_blocks + NB - 1) / NB, tb = 64, n_tb = (T + tb - 1) / tb;
+  par(n_tiles * n_tb, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b0 = (i / n_tb) * NB, t0 = (i % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
+      const int64_t nb = n_blocks - b0 < NB ? n_blocks - b0 : NB;
+      if (nb == NB) packed_rows<NB, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+      else if (NB > 2 && nb == 2) packed_rows<(NB > 2 ? 2 : 1), Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+      else packed_rows<1, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+    }
+  });
+}
+
+template <class TX, class TY>
+inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
+#if defined(GDN_BF16_DOT)
+  if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedDotStep, TX, TY>(p, par);
+#endif
+  linear_packed_steps<PackedFmaStep, TX, TY>(p, par);
+}
+template <class TX>
+inline void linear_packed_x(const LinearArgs& p, const Parallel& par) {
+  if (p.y_dtype == DType::bf16) linear_packed_y<TX, bf16>(p, par);
+  else linear_packed_y<TX, float>(p, par);
+}
+// p.w: the packed bf16 w (p.w_dtype is bf16).
+inline void linear_packed(const LinearArgs& p, const Parallel& par) {
+  if (p.x_dtype == DType::bf16) linear_packed_x<bf16>(p, par);
+  else linear_packed_x<float>(p, par);
+}
