@@ -12,8 +12,11 @@ dot instruction bf16 operands are widened and use the same FMAs).
     PYTHONPATH=. python benchmarks/layer_breakdown.py            # writes benchmarks/LAYER.md
     PYTHONPATH=. python benchmarks/layer_breakdown.py --quick    # small shapes, a smoke run
     PYTHONPATH=. python benchmarks/layer_breakdown.py --compare-xla --prefill-tokens 64  # + XLA's dot
+    PYTHONPATH=. python benchmarks/layer_breakdown.py --weights packed   # one weight layout only
 
-The projections run on the native kernel (gdn_jax_linear, the layer's impl).
+The projections run on the native kernels (the layer's impl): with the weights in Hugging
+Face's [out, in] layout (gdn_jax_linear) and packed once (GDNLayerParams.packed,
+gdn_jax_linear_packed), each case timed with both unless --weights says otherwise.
 
 Medians of repeated calls after warm-up; the parts are timed one after another in the same
 run, so their sum may differ from the step (the step overlaps nothing, but XLA may fuse the
@@ -70,11 +73,12 @@ def case_batch(kind: str, n: int, num_slots: int):
     return build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=max(2, len(reqs))), T
 
 
-def run_case(name, dims, kind, n, peak, log, compare_xla=False):
+def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain"):
     hidden, H, HV, K, V = dims
     cfg = GDNLayerConfig(hidden_size=hidden, core=GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K,
                                                             head_v_dim=V, act_dtype=jnp.bfloat16))
-    params = GDNLayerParams.random(cfg, jax.random.key(0))
+    plain = GDNLayerParams.random(cfg, jax.random.key(0))
+    params = plain.packed() if weights == "packed" else plain
     hb, T = case_batch(kind, n, num_slots=max(16, n))
     meta = hb.metadata.to_device()
     rng = np.random.default_rng(0)
@@ -104,19 +108,19 @@ def run_case(name, dims, kind, n, peak, log, compare_xla=False):
              norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps)),
              out_proj=median_ms(lambda: outp(params, y, "native")))
     xla = None
-    if compare_xla:  # XLA's dot (impl="reference") in the same run; few calls, it can take seconds each
+    if compare_xla:  # XLA's dot (impl="reference", [out, in] weights) in the same run; few calls, seconds each
         quick = dict(warmup=1, min_iters=3, target_s=0.0)
-        xla = (median_ms(lambda: proj(cfg, params, h, "reference"), **quick) +
-               median_ms(lambda: outp(params, y, "reference"), **quick))
-        log(f"  {name:<15} {kind} {n}: projections native {t['in_proj'] + t['out_proj']:.2f} ms, XLA dot "
+        xla = (median_ms(lambda: proj(cfg, plain, h, "reference"), **quick) +
+               median_ms(lambda: outp(plain, y, "reference"), **quick))
+        log(f"  {name:<15} {kind} {n} {weights}: projections native {t['in_proj'] + t['out_proj']:.2f} ms, XLA dot "
             f"{xla:.2f} ms ({xla / (t['in_proj'] + t['out_proj']):.1f}x)")
     flops = 2.0 * T * hidden * (cfg.D + cfg.Z + 2 * cfg.HV) + 2.0 * T * cfg.Z * hidden
     proj_ms = t["in_proj"] + t["out_proj"]
     gflops = flops / (proj_ms * 1e-3) / 1e9
-    row = dict(model=name, case=f"{kind} {'B' if kind == 'decode' else 'T'}={n}", tokens=T, **t,
+    row = dict(model=name, case=f"{kind} {'B' if kind == 'decode' else 'T'}={n}", weights=weights, tokens=T, **t,
                parts=sum(v for k, v in t.items() if k != "step"), proj_gflops=gflops, proj_peak=gflops / peak,
                xla_proj=xla)
-    log(f"  {row['model']:<15} {row['case']:<14} step {t['step']:9.2f} ms  in_proj {t['in_proj']:8.2f}  core "
+    log(f"  {row['model']:<15} {row['case']:<14} {weights:<6} step {t['step']:9.2f} ms  in_proj {t['in_proj']:8.2f}  core "
         f"{t['core']:8.2f}  norm {t['norm']:6.2f}  out_proj {t['out_proj']:8.2f}  projections "
         f"{gflops:6.1f} GFLOP/s = {100 * row['proj_peak']:.0f}% of the bf16 peak")
     return row
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--compare-xla", action="store_true", help="also time the projections on XLA's dot")
+    ap.add_argument("--weights", choices=["both", "plain", "packed"], default="both",
+                    help="the projections' weight layout: [out, in] (plain), packed, or each in turn")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "LAYER.md"))
     args = ap.parse_args(argv)
     if not gdn_jax.native_available():
@@ -150,25 +156,28 @@ def main(argv=None) -> int:
     print(f"layer breakdown on {cpu}, {threads} threads, ISA {gdn_jax.selected_isa()}, {peak_text}, jax "
           f"{jax.__version__}", flush=True)
     models = QUICK_MODELS if args.quick else MODELS
-    cases = [("decode", 1), ("decode", 8), ("prefill", 64 if args.quick else args.prefill_tokens)]
+    layouts = ["plain", "packed"] if args.weights == "both" else [args.weights]
+    cases = [(name, dims, kind, n, w) for name, dims in models.items()
+             for kind, n in [("decode", 1), ("decode", 8), ("prefill", 64 if args.quick else args.prefill_tokens)]
+             for w in layouts]
     rows = []
-    for i, (name, dims) in enumerate(models.items()):
-        for j, (kind, n) in enumerate(cases):
-            print(f"[{i * len(cases) + j + 1}/{len(models) * len(cases)}] {name} {kind} {n}", flush=True)
-            rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True), args.compare_xla))
+    for i, (name, dims, kind, n, w) in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {name} {kind} {n} {w} weights", flush=True)
+        rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True), args.compare_xla, w))
     if args.quick:
         return 0
     lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",
              f"`PYTHONPATH=. python benchmarks/layer_breakdown.py` on {cpu}, {threads} threads, ISA "
              f"{gdn_jax.selected_isa()}, jax {jax.__version__}; {peak_text}; native probes, same run. Medians in "
              "ms. `parts` is the sum of the four parts timed alone.", "",
-             "| model | case | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | % of bf16 peak |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | case | weights | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | "
+             "% of bf16 peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     if args.compare_xla:
         lines[-2] += " projections on XLA's dot |"
         lines[-1] += "---|"
     for r in rows:
-        lines.append(f"| {r['model']} | {r['case']} | {r['step']:.2f} | {r['in_proj']:.2f} | {r['core']:.2f} | "
+        lines.append(f"| {r['model']} | {r['case']} | {r['weights']} | {r['step']:.2f} | {r['in_proj']:.2f} | {r['core']:.2f} | "
                      f"{r['norm']:.2f} | {r['out_proj']:.2f} | {r['parts']:.2f} | {r['proj_gflops']:.1f} | "
                      f"{100 * r['proj_peak']:.0f}% |" + (f" {r['xla_proj']:.2f} |" if args.compare_xla else ""))
     with open(args.out, "w") as f:

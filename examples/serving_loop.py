@@ -13,7 +13,9 @@ are reused. Every step is ONE jitted call over the whole stack (prefill, decode 
 together, every layer's cache donated), compiled once for the (tokens, rows) bucket.
 
 The native kernels and the pure-jnp reference run in lockstep on the same inputs: the
-closing table gives tokens/s for each, and the run fails (exit 1) if they disagree.
+closing table gives tokens/s for each, and the run fails (exit 1) if they disagree. The native
+model's projection weights are packed once after loading (GDNLayerParams.packed, bf16 models),
+the reference's stay in Hugging Face's layout, so the check also covers the packing.
 
     PYTHONPATH=. python examples/serving_loop.py                       # the demo
     PYTHONPATH=. python examples/serving_loop.py --checkpoint DIR      # a model on disk
@@ -118,6 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=32, help="cache slots per layer")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few steps (tests)")
     ap.add_argument("--impls", default="native,reference", help="comma list; the first drives the schedule")
+    ap.add_argument("--weights", choices=["packed", "plain"], default="packed",
+                    help="the native impl's projection weights: packed once at load (bf16 models; "
+                         "GDNLayerParams.packed) or Hugging Face's [out, in] layout")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tol", type=float, default=2e-2, help="max relative RMSE between the impls' logits")
     args = ap.parse_args(argv)
@@ -138,13 +143,15 @@ def main(argv=None) -> int:
         print("native extension not built: running the reference only (make build)")
         impls = [i for i in impls if i != "native"] or ["reference"]
     isa = gdn_jax.selected_isa() if "native" in impls else "-"
+    pack = args.weights == "packed" and cfg.act_dtype == jnp.bfloat16   # f32 weights are not packed
     print(f"GDN serving loop: {len(layers)} GDN layers {indices} of {path} ({cfg.model_type}, hidden "
           f"{cfg.hidden_size}, H={cfg.H} HV={cfg.HV} K={cfg.K} V={cfg.V}, {cfg.act_dtype.name}), "
           f"num_spec={cfg.core.num_spec}, bucket T={args.tokens} S={args.rows}, {args.slots} slots; impls {impls} "
-          f"(native ISA: {isa})")
+          f"(native ISA: {isa}, {'packed' if pack else 'plain'} weights)")
 
     emb = jax.random.normal(jax.random.PRNGKey(args.seed + 1), (VOCAB, cfg.hidden_size), jnp.float32)
-    models = {impl: Model(cfg, emb, layers, impl, args.slots) for impl in impls}
+    models = {impl: Model(cfg, emb, [p.packed() for p in layers] if pack and impl == "native" else layers, impl,
+                          args.slots) for impl in impls}
     builder = BatchBuilder(num_slots=args.slots, num_spec=cfg.core.num_spec, token_bucket=args.tokens,
                            row_bucket=args.rows)
     rng = np.random.default_rng(args.seed)

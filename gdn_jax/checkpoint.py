@@ -340,7 +340,7 @@ def save_checkpoint(path, config: GDNLayerConfig, layers: dict[int, GDNLayerPara
         prefix = "model.layers.{}.linear_attn."
     tensors = {}
     for i, p in layers.items():
-        p.validate(config)
+        p = p.unpacked().validate(config)
         t = {k: np.asarray(v) for k, v in dataclasses.asdict(p).items() if k != "core"}
         pre = prefix.format(i)
         if config.model_type == "qwen3_next":

@@ -33,11 +33,11 @@ import numpy as np
 from . import _checks
 from .batch import HostBatch
 from .config import GDNCache, GDNConfig, GDNParams, _check_array
-from .ops import linear
+from .ops import PackedLinearWeight, linear, pack_linear_weight, packed_shape
 from .paths import STEP_KINDS, GDNAttention, _step, check_status
 
 __all__ = ["GDNLayerConfig", "GDNLayerParams", "GatedDeltaNetLayer", "LAYER_STEPS", "MODEL_FAMILIES",
-           "in_projection", "gated_rms_norm", "out_projection", "layer_step"]
+           "PACKED_PROJECTIONS", "in_projection", "gated_rms_norm", "out_projection", "layer_step"]
 
 # Hugging Face model_type -> the family whose checkpoint layout it uses.
 MODEL_FAMILIES = {
@@ -47,6 +47,10 @@ MODEL_FAMILIES = {
     "qwen3_5_moe": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",
 }
+
+# The projections GDNLayerParams.packed packs: all but in_proj_b and in_proj_a (HV rows each,
+# ~1% of the weights; under tensor parallelism fewer rows per shard than a block of 16).
+PACKED_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 # Layer step name -> the core step kind it runs (gdn_jax.paths.STEP_KINDS).
 LAYER_STEPS = {"prefill": "prefill", "decode": "decode", "spec_decode": "spec_decode",
@@ -104,6 +108,12 @@ class GDNLayerConfig:
     def act_dtype(self) -> np.dtype:
         return self.core.act_dtype
 
+    def projection_shapes(self) -> dict:
+        """``{name: (out, in)}`` of the five projections (Hugging Face's ``[out, in]``)."""
+        hid = self.hidden_size
+        return {"in_proj_qkv": (self.D, hid), "in_proj_z": (self.Z, hid), "in_proj_b": (self.HV, hid),
+                "in_proj_a": (self.HV, hid), "out_proj": (hid, self.Z)}
+
     def with_key_heads(self, num_k_heads: int) -> "GDNLayerConfig":
         """This layer restricted to ``num_k_heads`` key-head groups (their G value heads each)."""
         core = dataclasses.replace(self.core, num_k_heads=num_k_heads, num_v_heads=num_k_heads * self.G)
@@ -139,7 +149,9 @@ class GDNLayerParams:
       norm_weight: [V] the gated RMSNorm weight (no +1 offset).
       out_proj: [hidden, HV*V].
     Projections and norm weight are in the activation dtype (the loader casts them once);
-    the core's parameters keep their stored dtype (f32 or bf16, read as stored).
+    the core's parameters keep their stored dtype (f32 or bf16, read as stored). A bf16
+    model's in_proj_qkv, in_proj_z and out_proj may be packed (:meth:`packed`): the same
+    weights in the layout the CPU kernels read fastest.
     """
 
     in_proj_qkv: Any
@@ -167,24 +179,52 @@ class GDNLayerParams:
                    norm_weight=(1.0 + 0.1 * jax.random.normal(k[5], (V,), jnp.float32)).astype(dtype),
                    out_proj=proj(k[6], hid, Z))
 
+    def packed(self) -> "GDNLayerParams":
+        """These weights with :data:`PACKED_PROJECTIONS` packed
+        (:func:`gdn_jax.ops.pack_linear_weight`): the layout the CPU kernels read fastest (a
+        decode step reads each weight once; benchmarks/LAYER_NOTES.md, "Packed weights").
+        bf16 models only (packing f32 weights would round them); packed ones stay as they are."""
+        new = {}
+        for name in PACKED_PROJECTIONS:
+            w = getattr(self, name)
+            if isinstance(w, PackedLinearWeight):
+                continue
+            if jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
+                raise TypeError(f"GDNLayerParams.{name} must be bfloat16 to be packed (a bf16 model), "
+                                f"got {jnp.dtype(w.dtype)}")
+            new[name] = pack_linear_weight(w)
+        return dataclasses.replace(self, **new)
+
+    def unpacked(self) -> "GDNLayerParams":
+        """These weights with every projection in Hugging Face's ``[out, in]`` layout."""
+        return dataclasses.replace(self, **{name: getattr(self, name).unpack() for name in PACKED_PROJECTIONS
+                                            if isinstance(getattr(self, name), PackedLinearWeight)})
+
     def validate(self, config: GDNLayerConfig) -> "GDNLayerParams":
         """Raise ValueError/TypeError naming the field if a shape or dtype does not fit ``config``."""
         if not isinstance(self.core, GDNParams):
             raise TypeError(f"GDNLayerParams.core must be a GDNParams, got {type(self.core).__name__}")
         act = (config.act_dtype,)
-        hid = config.hidden_size
-        for name, shape in (("in_proj_qkv", (config.D, hid)), ("in_proj_z", (config.Z, hid)),
-                            ("in_proj_b", (config.HV, hid)), ("in_proj_a", (config.HV, hid)),
-                            ("norm_weight", (config.V,)), ("out_proj", (hid, config.Z))):
-            _check_array(f"GDNLayerParams.{name}", getattr(self, name), shape, act)
+        for name, shape in dict(config.projection_shapes(), norm_weight=(config.V,)).items():
+            w = getattr(self, name)
+            if isinstance(w, PackedLinearWeight):
+                if name not in PACKED_PROJECTIONS:
+                    raise TypeError(f"GDNLayerParams.{name} must be an [out, in] array (only "
+                                    f"{', '.join(PACKED_PROJECTIONS)} may be packed)")
+                if w.shape != shape:
+                    raise ValueError(f"GDNLayerParams.{name} must be packed from shape {shape}, got {w.shape}")
+                _check_array(f"GDNLayerParams.{name}.data", w.data, packed_shape(*shape), act)
+            else:
+                _check_array(f"GDNLayerParams.{name}", w, shape, act)
         self.core.validate(config.core)
         return self
 
 
 def _project(x, w, impl: str, out_dtype=None):
-    """:func:`gdn_jax.ops.linear` on the native kernel for bf16 weights only: XLA's CPU bf16 dot
-    is up to ~10x slower than it (one token), while for f32 weights XLA's own dot measured equal
-    or faster (0.7-0.9x the kernel's time; benchmarks/LAYER_NOTES.md). Same math either way."""
+    """:func:`gdn_jax.ops.linear` on the native kernel for bf16 weights only (packed ones are
+    bf16): XLA's CPU bf16 dot is up to ~10x slower than it (one token), while for f32 weights
+    XLA's own dot measured equal or faster (0.7-0.9x the kernel's time;
+    benchmarks/LAYER_NOTES.md). Same math either way."""
     native = impl != "reference" and jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16)
     return linear(x, w, out_dtype=out_dtype, impl=impl if native else "reference")
 

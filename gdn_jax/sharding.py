@@ -51,7 +51,9 @@ from . import _checks, paths
 from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, batch_status, build_batch, status_message
 from .checkpoint import load_layer_params
 from .config import GDNCache, GDNConfig, GDNParams
-from .layer import LAYER_STEPS, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection, out_projection
+from .layer import (LAYER_STEPS, PACKED_PROJECTIONS, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection,
+                    out_projection)
+from .ops import PackedLinearWeight, pack_linear_weight
 
 __all__ = [
     "DATA",
@@ -557,29 +559,55 @@ class ShardedGDNAttention(_ShardedSteps):
 
 def layer_param_specs(params) -> Any:
     """PartitionSpecs of :class:`gdn_jax.layer.GDNLayerParams`: in_proj rows (output
-    channels) over "model", out_proj columns over "model", the norm weight replicated."""
-    rows = P(MODEL, None)
-    return GDNLayerParams(in_proj_qkv=rows, in_proj_z=rows, in_proj_b=rows, in_proj_a=rows,
-                          core=core_param_specs(params.core), norm_weight=P(), out_proj=P(None, MODEL))
+    channels) over "model", out_proj columns over "model", the norm weight replicated. A
+    packed projection (``GDNLayerParams.packed``) splits the same way, along its blocks of 16
+    rows, or for out_proj its pairs of columns: a shard's rows and columns are whole heads and
+    head dims are multiples of 16 (GDNConfig), so no block or pair straddles two shards."""
+    rows, cols = P(MODEL, None), P(None, MODEL)
+
+    def spec(name, plain):
+        w = getattr(params, name)
+        return PackedLinearWeight(P(*plain, None, None), w.shape) if isinstance(w, PackedLinearWeight) else plain
+
+    return GDNLayerParams(in_proj_qkv=spec("in_proj_qkv", rows), in_proj_z=spec("in_proj_z", rows), in_proj_b=rows,
+                          in_proj_a=rows, core=core_param_specs(params.core), norm_weight=P(),
+                          out_proj=spec("out_proj", cols))
+
+
+def _packed_names(params) -> list:
+    return [n for n in PACKED_PROJECTIONS if isinstance(getattr(params, n), PackedLinearWeight)]
+
+
+def _packed_shapes_of(params, config):
+    """``params`` with its packed projections' (static) shapes those of ``config``: a shard's
+    inside shard_map, the whole layer's for the specs of arrays assembled from shards."""
+    shapes = config.projection_shapes()
+    return dataclasses.replace(params, **{n: PackedLinearWeight(getattr(params, n).data, shapes[n])
+                                          for n in _packed_names(params)})
 
 
 def shard_layer_params(params, config, mesh: Mesh):
     """Full layer params (plain order, as :func:`gdn_jax.checkpoint.load_layer_params` gives
     them) -> sharded: in_proj_qkv rows and the conv weight permuted to shard-major order
-    once, here, so that each shard's projection yields its own plain ``[q_r | k_r | v_r]``."""
+    once, here, so that each shard's projection yields its own plain ``[q_r | k_r | v_r]``.
+    Packed projections (``GDNLayerParams.packed``) come back packed, each shard's part packed
+    as that shard would pack it."""
     params.validate(config)
+    packed = _packed_names(params)
     order = qkv_channel_order(config.core, mesh_shape(mesh)[1])
-    host = jax.tree_util.tree_map(np.asarray, params)
+    host = jax.tree_util.tree_map(np.asarray, params.unpacked())
     host = dataclasses.replace(host, in_proj_qkv=host.in_proj_qkv[order], core=_core_to_shard_major(host.core, order))
-    return _place_tree(host, layer_param_specs(params), mesh)
+    host = dataclasses.replace(host, **{n: pack_linear_weight(getattr(host, n)) for n in packed})
+    return _place_tree(host, layer_param_specs(host), mesh)
 
 
-def load_sharded_layer_params(path, layer: int, config, mesh: Mesh):
+def load_sharded_layer_params(path, layer: int, config, mesh: Mesh, *, packed: bool = False):
     """Load one layer straight into its shards: each process reads, memory-mapped, only the
     key-head groups of the model shards on its own devices
     (``gdn_jax.checkpoint.load_layer_params(..., key_heads=(h0, h1))``, whose local plain
     order is exactly that shard's block of the shard-major order) and places them with
-    ``jax.make_array_from_single_device_arrays``. Nothing is gathered or re-read."""
+    ``jax.make_array_from_single_device_arrays``. Nothing is gathered or re-read. ``packed``:
+    each shard packs its projections (``GDNLayerParams.packed``; bf16 models)."""
     dp, tp = mesh_shape(mesh)
     local_config(config.core, tp)
     h = config.H // tp
@@ -588,10 +616,12 @@ def load_sharded_layer_params(path, layer: int, config, mesh: Mesh):
     if not mine:
         raise ValueError(f"process {jax.process_index()} has no device in the mesh; call load_params only on "
                          f"the processes that serve the layer")
-    shards = {r: jax.tree_util.tree_map(np.asarray, load_layer_params(path, layer, config, key_heads=(r * h, (r + 1) * h)))
-              for r in sorted(mine)}
+    shards = {}
+    for r in sorted(mine):
+        p = load_layer_params(path, layer, config, key_heads=(r * h, (r + 1) * h))
+        shards[r] = jax.tree_util.tree_map(np.asarray, p.packed() if packed else p)
     any_shard = shards[min(shards)]
-    specs = layer_param_specs(any_shard)
+    specs = layer_param_specs(_packed_shapes_of(any_shard, config))
     leaves_of = {r: jax.tree_util.tree_leaves(p) for r, p in shards.items()}
     spec_leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))
     out = []
@@ -616,6 +646,7 @@ def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, 
     T = hidden.shape[0]
     st = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=paths.STEP_KINDS[core_kind], impl=impl)
     st = _global_status(st, dp, tp)
+    params = _packed_shapes_of(params, config)
     params.validate(config)
     mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
     o, cache, op_st = paths._step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
@@ -690,9 +721,9 @@ class ShardedGatedDeltaNetLayer(_ShardedSteps):
         """Full plain-order layer params -> sharded (see :func:`shard_layer_params`)."""
         return shard_layer_params(params, self.config, self.mesh)
 
-    def load_params(self, path, layer: int):
+    def load_params(self, path, layer: int, *, packed: bool = False):
         """This process's shards of one layer read from a checkpoint (see :func:`load_sharded_layer_params`)."""
-        return load_sharded_layer_params(path, layer, self.config, self.mesh)
+        return load_sharded_layer_params(path, layer, self.config, self.mesh, packed=packed)
 
     def prefill(self, hidden, params, cache, batch):
         return self._host("prefill", hidden, params, cache, batch)

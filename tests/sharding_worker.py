@@ -28,9 +28,10 @@ def _setup(devices: int):
 
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mesh"
-if MODE in ("mesh", "hlo"):
+if MODE in ("mesh", "hlo", "packed"):
     _setup(4)
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -373,6 +374,45 @@ def scatter_output_check(fam):
     check("scatter_output prefill: out vs unsharded", rel_rmse_local(out, hb.pack(ref.step(kind, reqs, inputs))), TOL)
 
 
+def packed_check(ckpt):
+    """A bf16 layer's packed projections over 2x1, 4x1 and 2x2 meshes: packed by each shard at
+    load and packed on the host by shard_params, the same bits; one mixed step (prefill,
+    decode and spec rows) against the same sharded layer with plain weights, where only the
+    projections' summation order differs (a shard's blocks split wrongly would be noise)."""
+    from gdn_jax.layer import PACKED_PROJECTIONS, GDNLayerConfig
+    from gdn_jax.ops import PackedLinearWeight
+    cfg = GDNLayerConfig(hidden_size=HIDDEN, core=dataclasses.replace(CFG, act_dtype=jnp.bfloat16),
+                         model_type="qwen3_next")
+    fam = Family("layer", cfg, ckpt)
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        write_checkpoint(ckpt, cfg)
+    full = fam.params(0)
+    for spec in ("2x1", "4x1", "2x2"):
+        tp, dp = (int(v) for v in spec.split("x"))
+        mesh = sh.make_mesh(tp=tp, dp=dp)
+        layer = sh.ShardedGatedDeltaNetLayer(cfg, mesh, "native")
+        loaded = layer.load_params(ckpt, LAYER, packed=True)
+        placed = layer.shard_params(full.packed())
+        for name in PACKED_PROJECTIONS:
+            a, b = getattr(loaded, name), getattr(placed, name)
+            if not isinstance(a, PackedLinearWeight) or not isinstance(b, PackedLinearWeight):
+                fail(f"{spec}: {name} is not packed")
+            if a.shape != b.shape or not same_bits(local_bits(a.data), b.data):
+                fail(f"{spec}: {name} packed per shard differs from packed on the host")
+        plain = layer.load_params(ckpt, LAYER)
+        reqs = sequence(dp)[-1][1]
+        inputs = fam.inputs(reqs, np.random.default_rng(5))
+        hb = sh.build_sharded_batch(reqs, num_slots=N, num_data=dp, num_spec=cfg.core.num_spec, token_bucket=T,
+                                    row_bucket=S)
+        hidden = sh.place(hb.pack([x[0] for x in inputs]).astype(jnp.bfloat16), mesh, layer.hidden_spec)
+        out_packed, _ = layer.mixed(hidden, loaded, layer.create_cache(N), hb)
+        out_plain, _ = layer.mixed(hidden, plain, layer.create_cache(N), hb)
+        if not np.any(np.asarray(out_plain, np.float32)):
+            fail(f"{spec}: the mixed step's output is zero")
+        check(f"{spec} packed weights: mixed step out vs plain weights",
+              rel_rmse_local(out_packed, np.asarray(out_plain, np.float64)), 8e-3)   # bf16 roundings
+
+
 def inspect_hlo(text, pool_shapes, what, allowed_reduce=()):
     """No all-gather / all-to-all / collective-permute / reduce-scatter; all-reduces only of
     the status tables (and of ``allowed_reduce`` shapes, exactly once each); no copy or
@@ -410,7 +450,7 @@ def write_checkpoint(path, cfg):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["mesh", "dist", "hlo", "write-checkpoint"])
+    ap.add_argument("mode", choices=["mesh", "dist", "hlo", "packed", "write-checkpoint"])
     ap.add_argument("--what", choices=["core", "layer"], default="core")
     ap.add_argument("--impl", default="native")
     ap.add_argument("--meshes", default="2x1,4x1,2x2")
@@ -434,6 +474,9 @@ def main():
             write_checkpoint(fam.ckpt, fam.cfg)
     if args.mode == "write-checkpoint":
         pass
+    elif args.mode == "packed":
+        with tempfile.TemporaryDirectory(prefix="gdn_shard_ckpt_bf16_") as ckpt:
+            packed_check(ckpt)
     elif args.mode == "mesh":
         for spec in args.meshes.split(","):
             tp, dp = (int(v) for v in spec.split("x"))

@@ -19,6 +19,7 @@ import pytest
 import f64_math as F
 from gdn_jax import GDNCache, GDNConfig, InvalidBatchError, Request, build_batch
 from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams, gated_rms_norm
+from gdn_jax.ops import pack_linear_weight
 from serve_helpers import IMPLS, NATIVE_READY, cache_bits, impl_context, oracle_step, to_np64
 
 HIDDEN = 48
@@ -91,13 +92,15 @@ def _mixed_requests():
             Request.spec((8, 9, 10), 3, num_accepted=2)]
 
 
-STEP_CASES = [pytest.param(p.values[0], act, id=f"{p.id}-{act}",
+# Packed projections (GDNLayerParams.packed) exist for bf16 weights only.
+STEP_CASES = [pytest.param(p.values[0], act, packed, id=f"{p.id}-{act}" + ("-packed" if packed else ""),
                            marks=[pytest.mark.slow] if (p.id == "reference" and act == "bfloat16") else [])
-              for p in IMPLS for act in ("float32", "bfloat16")]
+              for p in IMPLS for act in ("float32", "bfloat16") for packed in (False, True)
+              if act == "bfloat16" or not packed]
 
 
-@pytest.mark.parametrize("impl_isa,act", STEP_CASES)
-def test_layer_step_matches_f64(impl_isa, act):
+@pytest.mark.parametrize("impl_isa,act,packed", STEP_CASES)
+def test_layer_step_matches_f64(impl_isa, act, packed):
     cfg = make_cfg(jnp.dtype(act))
     rng = np.random.default_rng(2)
     params = GDNLayerParams.random(cfg, jax.random.key(3))
@@ -110,7 +113,7 @@ def test_layer_step_matches_f64(impl_isa, act):
     hidden = jnp.asarray(rng.standard_normal((24, HIDDEN)), cfg.act_dtype)
     want, conv, ssm = layer_oracle(cfg, params, start, hb, hidden)
     with impl_context(impl_isa) as impl:
-        out, cache = GatedDeltaNetLayer(cfg, impl).mixed(hidden, params, cache, hb)
+        out, cache = GatedDeltaNetLayer(cfg, impl).mixed(hidden, params.packed() if packed else params, cache, hb)
     tol = 1e-5 if act == "float32" else 8e-3   # bf16: projections, conv, core, norm and out_proj round
     assert F.rel_rmse(to_np64(out), want) <= tol
     assert not np.any(np.asarray(out, np.float32)[hb.num_tokens:])
@@ -137,6 +140,29 @@ def test_refused_batch_keeps_every_slot(impl_isa):
         np.testing.assert_array_equal(before[1], after[1])
         out, _ = layer.prefill(h, params, e.value.caches, hb)   # the returned cache serves on
         assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_packed_params():
+    cfg = make_cfg(jnp.bfloat16)
+    params = GDNLayerParams.random(cfg, jax.random.key(8))
+    packed = params.packed()
+    assert [type(packed.in_proj_qkv).__name__, type(packed.in_proj_b).__name__] == ["PackedLinearWeight", "ArrayImpl"]
+    assert packed.packed() is not packed and packed.packed().in_proj_qkv is packed.in_proj_qkv
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        np.testing.assert_array_equal(np.asarray(getattr(packed.unpacked(), name), np.float32),
+                                      np.asarray(getattr(params, name), np.float32))
+    packed.validate(cfg)
+    bad = dataclasses.replace(packed, out_proj=pack_linear_weight(params.out_proj[:, :-2]))
+    with pytest.raises(ValueError, match=r"GDNLayerParams.out_proj must be packed from shape \(48, 128\)"):
+        bad.validate(cfg)
+    with pytest.raises(TypeError, match="GDNLayerParams.in_proj_b must be an \\[out, in\\] array"):
+        dataclasses.replace(packed, in_proj_b=pack_linear_weight(params.in_proj_b)).validate(cfg)
+
+
+def test_packing_f32_params_is_refused():
+    params = GDNLayerParams.random(make_cfg(jnp.float32), jax.random.key(8))
+    with pytest.raises(TypeError, match="GDNLayerParams.in_proj_qkv must be bfloat16 to be packed"):
+        params.packed()
 
 
 def test_static_mistakes_name_the_argument():

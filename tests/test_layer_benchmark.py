@@ -19,7 +19,7 @@ def test_layer_breakdown_quick():
     assert p.returncode == 0, p.stdout + p.stderr
     assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s, bf16 peak \d+\.\d GFLOP/s \(", p.stdout)
     rows = [line for line in p.stdout.splitlines() if "step" in line and "projections" in line]
-    assert len(rows) == 3
+    assert len(rows) == 6 and [line.split()[3] for line in rows] == ["plain", "packed"] * 3, p.stdout
     for line in rows:
         times = [float(v) for v in re.findall(r"(?:step|in_proj|core|norm|out_proj)\s+(\d+\.\d+)", line)]
         assert len(times) == 5 and all(v > 0 for v in times), line

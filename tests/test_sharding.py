@@ -78,6 +78,13 @@ def test_layer_mesh_tp2_tp4_data2_tp2_match_unsharded_layer_and_reference(checkp
 
 
 @needs_native
+def test_layer_packed_weights_shard_like_plain_ones():
+    """bf16 layer, 2x1 / 4x1 / 2x2 meshes: packed per shard at load == packed on the host; one
+    mixed step with packed weights against the same mesh with plain weights."""
+    _run("packed")
+
+
+@needs_native
 def test_layer_two_processes_tp2_match_one_process(checkpoint):
     _run_two_processes("--what", "layer", "--ckpt", checkpoint)
 
