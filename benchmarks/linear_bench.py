@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +23,9 @@ import numpy as np
 
 import gdn_jax
 from gdn_jax.ops import linear, pack_linear_weight
+from layer_breakdown import median_ms  # benchmarks/ is the script's directory
 
 LAYOUTS = ("packed", "plain", "xla")
-
-
-def median_ms(fn, seconds: float, min_iters: int = 3) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    t_end = time.perf_counter() + seconds
-    while len(times) < min_iters or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -69,7 +58,8 @@ def main(argv=None) -> int:
         rounds = {k: [] for k in LAYOUTS}
         for _ in range(args.rounds):
             for k in LAYOUTS:
-                rounds[k].append(median_ms(lambda k=k: fns[k](x, weights[k]), args.seconds))
+                rounds[k].append(median_ms(lambda k=k: fns[k](x, weights[k]), warmup=1, min_iters=3,
+                                           target_s=args.seconds))
         ms = {k: statistics.median(v) for k, v in rounds.items()}
         gflops = 2 * T * args.n_in * args.n_out / ms["packed"] / 1e6
         gbs = args.n_out * args.n_in * 2 / ms["packed"] / 1e6

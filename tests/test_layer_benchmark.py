@@ -11,15 +11,20 @@ import pytest
 from serve_helpers import NATIVE_REASON, NATIVE_READY, ROOT
 
 
+def _quick_run(script: str) -> str:
+    """stdout of ``benchmarks/<script> --quick``, which must succeed."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
 @pytest.mark.skipif(not NATIVE_READY, reason=NATIVE_REASON)
 def test_layer_breakdown_quick():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_breakdown.py"), "--quick"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s, bf16 peak \d+\.\d GFLOP/s \(", p.stdout)
-    rows = [line for line in p.stdout.splitlines() if "step" in line and "projections" in line]
-    assert len(rows) == 6 and [line.split()[3] for line in rows] == ["plain", "packed"] * 3, p.stdout
+    out = _quick_run("layer_breakdown.py")
+    assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s, bf16 peak \d+\.\d GFLOP/s \(", out)
+    rows = [line for line in out.splitlines() if "step" in line and "projections" in line]
+    assert len(rows) == 6 and [line.split()[3] for line in rows] == ["plain", "packed"] * 3, out
     for line in rows:
         times = [float(v) for v in re.findall(r"(?:step|in_proj|core|norm|out_proj)\s+(\d+\.\d+)", line)]
         assert len(times) == 5 and all(v > 0 for v in times), line
@@ -28,11 +33,8 @@ def test_layer_breakdown_quick():
 
 @pytest.mark.skipif(not NATIVE_READY, reason=NATIVE_REASON)
 def test_linear_bench_quick():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_bench.py"), "--quick"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = [line.split("|")[1:-1] for line in p.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
-    assert [int(r[0]) for r in rows] == [1, 9], p.stdout
+    out = _quick_run("linear_bench.py")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [int(r[0]) for r in rows] == [1, 9], out
     for r in rows:
         assert all(float(v) > 0 for v in r[1:]), r

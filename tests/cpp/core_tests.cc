@@ -130,6 +130,18 @@ void check_linear_y(const std::string& tag, const std::vector<double>& got, cons
   check_true(tag + " within 1 bf16 step", bad == 0, bad ? std::to_string(bad) + " differ" : "");
 }
 
+// x [T, in] w[out, in]^T in float64 (the bf16 or f32 inputs are exact in it).
+std::vector<double> linear_f64(const Act& x, const Act& w, int64_t T, int64_t in, int64_t out) {
+  std::vector<double> ref(size_t(T * out));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0;
+      for (int64_t i = 0; i < in; ++i) s += x.f64[t * in + i] * w.f64[o * in + i];
+      ref[t * out + o] = s;
+    }
+  return ref;
+}
+
 // y = x w^T against float64 (check_linear_y: one rounding of an f32 accumulation);
 // bit-identical on 3 threads.
 void test_linear(const KernelTable& kt, DType xdt, DType wdt, DType ydt, int64_t T, int64_t in, int64_t out,
@@ -138,13 +150,7 @@ void test_linear(const KernelTable& kt, DType xdt, DType wdt, DType ydt, int64_t
                           (wdt == DType::f32 ? "f32" : "bf16") + " y " + (ydt == DType::f32 ? "f32" : "bf16") +
                           " " + std::to_string(T) + "x" + std::to_string(in) + "x" + std::to_string(out);
   Act x(size_t(T * in), rng), w(size_t(out * in), rng);
-  std::vector<double> ref(size_t(T * out));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t o = 0; o < out; ++o) {
-      double s = 0;
-      for (int64_t i = 0; i < in; ++i) s += x.f64[t * in + i] * w.f64[o * in + i];
-      ref[t * out + o] = s;
-    }
+  const std::vector<double> ref = linear_f64(x, w, T, in, out);
   const size_t ybytes = size_t(T * out) * (ydt == DType::f32 ? 4 : 2);
   std::vector<uint8_t> y1(ybytes, 0xAB), y3(ybytes, 0xCD);
   LinearArgs p{xdt, wdt, ydt, x.ptr(xdt), w.ptr(wdt), y1.data(), T, in, out};
@@ -175,13 +181,7 @@ void test_linear_packed(const KernelTable& kt, DType xdt, DType ydt, int64_t T, 
                           "x" + std::to_string(out);
   Act x(size_t(T * in), rng), w(size_t(out * in), rng);
   const std::vector<uint16_t> wp = pack_w(w, in, out);
-  std::vector<double> ref(size_t(T * out));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t o = 0; o < out; ++o) {
-      double s = 0;
-      for (int64_t i = 0; i < in; ++i) s += x.f64[t * in + i] * w.f64[o * in + i];
-      ref[t * out + o] = s;
-    }
+  const std::vector<double> ref = linear_f64(x, w, T, in, out);
   const size_t esz = ydt == DType::f32 ? 4 : 2, ybytes = size_t(T * out) * esz, guard = 64;
   std::vector<uint8_t> y1(ybytes + guard, 0xAB), y3(ybytes + guard, 0xCD);
   LinearArgs p{xdt, DType::bf16, ydt, x.ptr(xdt), wp.data(), y1.data(), T, in, out};
