@@ -203,6 +203,7 @@ def pack_linear_weight(w) -> PackedLinearWeight:
     Same results as the plain weight, to the accumulation order; on the CPU kernels it is the
     fast layout (a decode step reads each weight once). Only bf16 is packed: packing an f32
     weight would round it.
+
     Args:
       w: [out, in] bf16 (Hugging Face's ``nn.Linear`` layout).
     Returns:

@@ -19,7 +19,8 @@ import pytest
 import f64_math as F
 from gdn_jax import GDNCache, GDNConfig, InvalidBatchError, Request, build_batch
 from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams, gated_rms_norm
-from gdn_jax.ops import pack_linear_weight
+from gdn_jax.checkpoint import load_layer_params, save_checkpoint
+from gdn_jax.ops import PackedLinearWeight, pack_linear_weight
 from serve_helpers import IMPLS, NATIVE_READY, cache_bits, impl_context, oracle_step, to_np64
 
 HIDDEN = 48
@@ -142,15 +143,18 @@ def test_refused_batch_keeps_every_slot(impl_isa):
         assert np.all(np.isfinite(np.asarray(out)))
 
 
-def test_packed_params():
+def test_packed_params(tmp_path):
     cfg = make_cfg(jnp.bfloat16)
     params = GDNLayerParams.random(cfg, jax.random.key(8))
     packed = params.packed()
-    assert [type(packed.in_proj_qkv).__name__, type(packed.in_proj_b).__name__] == ["PackedLinearWeight", "ArrayImpl"]
-    assert packed.packed() is not packed and packed.packed().in_proj_qkv is packed.in_proj_qkv
-    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-        np.testing.assert_array_equal(np.asarray(getattr(packed.unpacked(), name), np.float32),
-                                      np.asarray(getattr(params, name), np.float32))
+    assert isinstance(packed.in_proj_qkv, PackedLinearWeight) and isinstance(packed.out_proj, PackedLinearWeight)
+    assert isinstance(packed.in_proj_b, jax.Array) and isinstance(packed.in_proj_a, jax.Array)
+    assert packed.packed().in_proj_qkv is packed.in_proj_qkv
+    save_checkpoint(str(tmp_path), cfg, {0: packed})          # written in Hugging Face's layout
+    for back in (packed.unpacked(), load_layer_params(str(tmp_path), 0, cfg)):
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            np.testing.assert_array_equal(np.asarray(getattr(back, name), np.float32),
+                                          np.asarray(getattr(params, name), np.float32))
     packed.validate(cfg)
     bad = dataclasses.replace(packed, out_proj=pack_linear_weight(params.out_proj[:, :-2]))
     with pytest.raises(ValueError, match=r"GDNLayerParams.out_proj must be packed from shape \(48, 128\)"):

@@ -15,7 +15,7 @@ constexpr int kPackBlock = 16;  // outputs per block: one VF
 // x rows per tile; blocks per tile by step (PackedDotStep::kNB, PackedFmaStep::kNB).
 constexpr int kPackedMT = kLinearRegs >= 21 ? 8 : kLinearRegs >= 8 ? 4 : 2;
 
-// bf16 x and w widened exactly: two FMAs per pair on f32 vectors.
+// w's pairs widened exactly (a shift, a mask), x f32 or bf16: two f32 FMAs per pair.
 struct PackedFmaStep {
   static constexpr int kNB = kLinearRegs >= 21 ? 2 : 1;
   struct W {
