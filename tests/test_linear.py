@@ -96,7 +96,8 @@ def test_packed_matches_f64(isa, x_dtype, out_dtype, T, n_in, n_out):
     x = bf16_round(rng.normal(size=(T, n_in)))
     w = bf16_round(rng.normal(size=(n_out, n_in)) * 0.05)
     wp = pack_linear_weight(jnp.asarray(w, jnp.bfloat16))
-    fn = jax.jit(lambda x_, w_: linear(x_, w_, out_dtype=out_dtype, impl="reference" if isa == "reference" else "native"))
+    impl = "reference" if isa == "reference" else "native"
+    fn = jax.jit(lambda x_, w_: linear(x_, w_, out_dtype=out_dtype, impl=impl))
     if isa == "reference":
         y = fn(jnp.asarray(x, x_dtype), wp)
     else:
