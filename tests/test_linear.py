@@ -149,3 +149,19 @@ def test_packed_errors_name_the_argument(impl):
         linear(x, PackedLinearWeight(wp.data[:1], wp.shape), impl=impl)
     with pytest.raises(TypeError, match="w.data must have dtype bfloat16"):
         linear(x, PackedLinearWeight(wp.data.astype(jnp.float32), wp.shape), impl=impl)
+
+
+@pytest.mark.skipif(not gdn_jax.native_available(), reason="native extension not built")
+@pytest.mark.parametrize("target,w,message", [
+    ("linear", jnp.zeros((3, 4), jnp.int32), "gdn_jax.linear: w must be float32 or bfloat16"),
+    ("linear", jnp.zeros((3, 5), jnp.float32), r"gdn_jax.linear: w must be \[out, in\] with in = 4"),
+    ("linear_packed", jnp.zeros((1, 2, 16, 2), jnp.float32), "gdn_jax.linear_packed: the packed w must be bfloat16"),
+    ("linear_packed", jnp.zeros((2, 2, 16, 2), jnp.bfloat16),
+     r"gdn_jax.linear_packed: the packed w must be \[ceil\(out / 16\), ceil\(in / 2\), 16, 2\] = \[1, 2, 16, 2\]"),
+])
+def test_handlers_refuse_bad_buffers(target, w, message):
+    """The FFI handlers check what ops.linear checks first (a direct jax.ffi.ffi_call bypasses it)."""
+    from gdn_jax._ffi import TARGET_PREFIX
+    call = jax.ffi.ffi_call(TARGET_PREFIX + target, jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(call(jnp.zeros((2, 4), jnp.float32), w))

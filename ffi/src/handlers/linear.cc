@@ -6,12 +6,36 @@
 
 namespace gdn {
 
+// The three dtypes into p (f32 or bf16 each; a packed w bf16 only), or an error naming the op.
+static ffi::Error linear_dtypes(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer>& y, bool packed,
+                                LinearArgs& p) {
+  const char* op = packed ? "linear_packed" : "linear";
+  if (!to_dtype(x.element_type(), &p.x_dtype)) return bad(op, "x must be float32 or bfloat16");
+  if (!to_dtype(w.element_type(), &p.w_dtype) || (packed && p.w_dtype != DType::bf16))
+    return bad(op, packed ? "the packed w must be bfloat16" : "w must be float32 or bfloat16");
+  if (!to_dtype(y->element_type(), &p.y_dtype)) return bad(op, "the result must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+// Sizes and buffers into p, then `kernel` on XLA's pool.
+static ffi::Error run_linear(void (*kernel)(const LinearArgs&, const Parallel&), LinearArgs p, ffi::ThreadPool& pool,
+                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer>& y, int64_t T,
+                             int64_t in, int64_t out) {
+  p.T = T;
+  p.in = in;
+  p.out = out;
+  p.x = x.untyped_data();
+  p.w = w.untyped_data();
+  p.y = y->untyped_data();
+  const Parallel par = make_parallel(&pool);
+  kernel(p, par);
+  return ffi::Error::Success();
+}
+
 static ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Result<ffi::AnyBuffer> y) {
   LinearArgs p;
-  if (!to_dtype(x.element_type(), &p.x_dtype)) return bad("linear", "x must be float32 or bfloat16");
-  if (!to_dtype(w.element_type(), &p.w_dtype)) return bad("linear", "w must be float32 or bfloat16");
-  if (!to_dtype(y->element_type(), &p.y_dtype)) return bad("linear", "the result must be float32 or bfloat16");
+  if (auto e = linear_dtypes(x, w, y, false, p); e.failure()) return e;
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2) return bad("linear", "x must be [T, in], got " + dims_str(xd));
   if (wd.size() != 2 || wd[1] != xd[1])
@@ -20,24 +44,13 @@ static ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0])
     return bad("linear", "the result must be [T, out] = [" + std::to_string(xd[0]) + ", " + std::to_string(wd[0]) +
                              "], got " + dims_str(yd));
-  p.T = xd[0];
-  p.in = xd[1];
-  p.out = wd[0];
-  p.x = x.untyped_data();
-  p.w = w.untyped_data();
-  p.y = y->untyped_data();
-  const Parallel par = make_parallel(&pool);
-  current_table().linear(p, par);
-  return ffi::Error::Success();
+  return run_linear(current_table().linear, p, pool, x, w, y, xd[0], xd[1], wd[0]);
 }
 
 static ffi::Error LinearPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                    ffi::Result<ffi::AnyBuffer> y) {
   LinearArgs p;
-  if (!to_dtype(x.element_type(), &p.x_dtype)) return bad("linear_packed", "x must be float32 or bfloat16");
-  if (!to_dtype(w.element_type(), &p.w_dtype) || p.w_dtype != DType::bf16)
-    return bad("linear_packed", "the packed w must be bfloat16");
-  if (!to_dtype(y->element_type(), &p.y_dtype)) return bad("linear_packed", "the result must be float32 or bfloat16");
+  if (auto e = linear_dtypes(x, w, y, true, p); e.failure()) return e;
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2) return bad("linear_packed", "x must be [T, in], got " + dims_str(xd));
   if (yd.size() != 2 || yd[0] != xd[0]) return bad("linear_packed", "the result must be [T, out], got " + dims_str(yd));
@@ -47,15 +60,7 @@ static ffi::Error LinearPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
                                     std::to_string((out + 15) / 16) + ", " + std::to_string((in + 1) / 2) +
                                     ", 16, 2] for in = " + std::to_string(in) + ", out = " + std::to_string(out) +
                                     ", got " + dims_str(wd));
-  p.T = xd[0];
-  p.in = in;
-  p.out = out;
-  p.x = x.untyped_data();
-  p.w = w.untyped_data();
-  p.y = y->untyped_data();
-  const Parallel par = make_parallel(&pool);
-  current_table().linear_packed(p, par);
-  return ffi::Error::Success();
+  return run_linear(current_table().linear_packed, p, pool, x, w, y, xd[0], in, out);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnLinear, LinearImpl,
