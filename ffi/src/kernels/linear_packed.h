@@ -34,9 +34,11 @@ struct PackedFmaStep {
   static VF madd(VF acc, const W& w, const X& x) { return vfma(w.even, x.x0, vfma(w.odd, x.x1, acc)); }
 };
 #if defined(GDN_BF16_DOT)
-// bf16 x and w on the bf16 dot product: one instruction per pair, same sums as the FMAs.
+// bf16 x and w on the bf16 dot product: one instruction per pair, the FMAs' sums (each pair's
+// sum rounded once more on NEON BF16). 3 blocks with 32 vector registers; 1 on NEON (a VF is
+// four q registers: 4 rows x 1 block = 16 accumulators, 4 w, 1 x).
 struct PackedDotStep {
-  static constexpr int kNB = 3;
+  static constexpr int kNB = kLinearRegs >= 21 ? 3 : 1;
   using W = VB;
   using X = VB;
   static W load_w(const bf16* p) { return vload_b(p); }

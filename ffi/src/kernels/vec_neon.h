@@ -29,6 +29,41 @@ inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
     odd->v[j] = vreinterpretq_f32_u32(vandq_u32(w, vdupq_n_u32(0xffff0000u)));
   }
 }
+#if defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+// bf16 dot products (BFDOT), used where both operands are bf16 already (kernels/linear.h,
+// linear_packed.h). VB holds 32 bf16, i.e. 16 pairs, as four q registers; vdot_bf16 adds pair
+// j's two products to lane j. The products are exact in f32; on Armv8.6 without FEAT_EBF16
+// (FPCR ignored) the pair's sum and its addition to the lane are each rounded to odd, and
+// denormal inputs and results flush to zero (ffi/README.md, "ARM NEON-BF16").
+#define GDN_BF16_DOT 1
+constexpr int kDotElems = 32;
+struct VB {
+  bfloat16x8_t v[4];
+};
+inline VB vload_b(const bf16* p) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  return {{vreinterpretq_bf16_u16(vld1q_u16(u)), vreinterpretq_bf16_u16(vld1q_u16(u + 8)),
+           vreinterpretq_bf16_u16(vld1q_u16(u + 16)), vreinterpretq_bf16_u16(vld1q_u16(u + 24))}};
+}
+inline VB vload_b_n(const bf16* p, int n) {  // elements past n are zero
+  if (n >= kDotElems) return vload_b(p);
+  alignas(16) bf16 t[kDotElems];
+  std::memset(static_cast<void*>(t), 0, sizeof(t));
+  for (int i = 0; i < n; ++i) t[i] = p[i];
+  return vload_b(t);
+}
+inline VF vdot_bf16(VF acc, VB a, VB b) {
+  return {{vbfdotq_f32(acc.v[0], a.v[0], b.v[0]), vbfdotq_f32(acc.v[1], a.v[1], b.v[1]),
+           vbfdotq_f32(acc.v[2], a.v[2], b.v[2]), vbfdotq_f32(acc.v[3], a.v[3], b.v[3])}};
+}
+// Pair p[0], p[1] in every 32-bit lane (the x side of the packed projection, linear_packed.h).
+inline VB vbcast_b_pair(const bf16* p) {
+  uint32_t u;
+  std::memcpy(&u, p, sizeof u);
+  const bfloat16x8_t b = vreinterpretq_bf16_u32(vdupq_n_u32(u));
+  return {{b, b, b, b}};
+}
+#endif
 template <class T>
 inline VF vload_n(const T* p, int n) {
   if (n >= kLanes) return vload(p);
