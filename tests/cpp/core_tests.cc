@@ -1511,11 +1511,13 @@ int main() {
           test_linear(kt, xdt, wdt, ydt, 67, 257, 600, rng);
         }
     // Packed w: odd `in` (the zero-padded last pair), out past the last full block, 1 .. 3
-    // blocks per tile, row tiles and the rows left, several row blocks (threaded split).
+    // blocks per tile, row tiles and the rows left, several row blocks (threaded split); for the
+    // AMX units also 16-row tiles in pairs and alone, in a multiple of 32, below 32 and odd.
     for (DType xdt : {DType::f32, DType::bf16})
       for (DType ydt : {DType::f32, DType::bf16})
         for (auto s : {std::array<int64_t, 3>{1, 1, 1}, {1, 17, 9}, {3, 15, 5}, {5, 33, 13}, {2, 100, 31}, {8, 64, 50},
-                       {12, 2, 48}, {9, 64, 64}, {67, 257, 600}, {130, 40, 70}})
+                       {12, 2, 48}, {9, 64, 64}, {67, 257, 600}, {130, 40, 70}, {48, 96, 48}, {16, 31, 16},
+                       {80, 64, 33}})
           test_linear_packed(kt, xdt, ydt, s[0], s[1], s[2], rng);
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);

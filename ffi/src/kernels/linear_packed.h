@@ -106,6 +106,18 @@ inline void packed_rows(const TX* x, const bf16* wp, int64_t bstride, TY* y, int
   if (left > 0) packed_tile_left<NB, Step>(left, x + t * in, wb, bstride, y + t * out, in, out, o0);
 }
 
+// Rows [t0, t1) by blocks [b0, b0 + nb), any nb: tiles of Step::kNB blocks, then the rest.
+template <class Step, class TX, class TY>
+inline void packed_rows_n(const TX* x, const bf16* wp, int64_t bstride, TY* y, int64_t in, int64_t out, int64_t t0,
+                          int64_t t1, int64_t b0, int64_t nb) {
+  constexpr int NB = Step::kNB;
+  for (; nb >= NB; b0 += NB, nb -= NB) packed_rows<NB, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+  if constexpr (NB > 2) {
+    if (nb == 2) return packed_rows<2, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+  }
+  if (nb == 1) packed_rows<1, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+}
+
 template <class Step, class TX, class TY>
 void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
   const TX* x = static_cast<const TX*>(p.x);
@@ -123,16 +135,123 @@ void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
   par(n_tiles * n_tb, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b0 = (i / n_tb) * NB, t0 = (i % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
-      const int64_t nb = n_blocks - b0 < NB ? n_blocks - b0 : NB;
-      if (nb == NB) packed_rows<NB, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
-      else if (NB > 2 && nb == 2) packed_rows<(NB > 2 ? 2 : 1), Step>(x, wp, bstride, y, in, out, t0, t1, b0);
-      else packed_rows<1, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
+      packed_rows_n<Step>(x, wp, bstride, y, in, out, t0, t1, b0, n_blocks - b0 < NB ? n_blocks - b0 : NB);
     }
   });
 }
 
+#if defined(GDN_AMX)
+// bf16 x on AMX tiles. A block's pairs 16d .. 16d + 15 are 16 rows of 64 bytes (16 outputs x
+// one pair): the VNNI B operand of tdpbf16ps as packed, so B tiles load straight from wp
+// (stride 64 B), and A tiles are 16 x rows by 32 elements of `in` straight from x. 2 x 2 C tiles
+// (32 rows x 2 blocks, tmm0..3), A in tmm4, 5, B in tmm6, 7, all configured 16 rows x 64 bytes.
+// The depth tail (in % 32) goes through zero-padded copies: in place, A would read into the next
+// x row and B past the block's last pair (the next block, or past wp). Every output is summed
+// in one order, 32 elements of `in` at a time (tdpbf16ps: even and odd products in two f32 FMA
+// chains, then both added to C), whatever the tile or thread; rows left after the 16-row tiles
+// take the vector step (another order; the split depends only on T).
+using PackedVecStep =
+#if defined(GDN_BF16_DOT)
+    PackedDotStep;
+#else
+    PackedFmaStep;  // the tile model's unit (generic vectors)
+#endif
+
+// Rows [0, 16 * mt) of x by blocks [0, nb) of wb, mt and nb in {1, 2}; tmm0..7 configured.
+template <class TY>
+inline void amx_packed_tile(int mt, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y, int64_t in,
+                            int64_t out, int64_t o0) {
+  tile_zero<0>();
+  tile_zero<1>();
+  tile_zero<2>();
+  tile_zero<3>();
+  const auto step = [&](const bf16* a, int64_t a_stride, const bf16* b0, const bf16* b1) {
+    tile_load<4>(a, a_stride);
+    tile_load<6>(b0, 2 * kPackBlock * int64_t(sizeof(bf16)));
+    tile_dpbf16ps<0, 4, 6>();
+    if (nb == 2) {
+      tile_load<7>(b1, 2 * kPackBlock * int64_t(sizeof(bf16)));
+      tile_dpbf16ps<1, 4, 7>();
+    }
+    if (mt == 2) {
+      tile_load<5>(a + 16 * (a_stride / int64_t(sizeof(bf16))), a_stride);
+      tile_dpbf16ps<2, 5, 6>();
+      if (nb == 2) tile_dpbf16ps<3, 5, 7>();
+    }
+  };
+  constexpr int64_t kDepth = 2 * kTileRows;  // elements of `in` per step: 16 pairs
+  const int64_t full = in / kDepth, pair_elems = 2 * kPackBlock;
+  for (int64_t d = 0; d < full; ++d)
+    step(x + d * kDepth, in * int64_t(sizeof(bf16)), wb + d * kTileRows * pair_elems,
+         wb + (nb == 2 ? bstride : 0) + d * kTileRows * pair_elems);
+  if (const int64_t rem = in - full * kDepth; rem > 0) {
+    alignas(64) bf16 a[2 * kTileRows][kDepth];
+    alignas(64) bf16 b[2][kTileRows * 2 * kPackBlock];
+    std::memset(static_cast<void*>(a), 0, sizeof a);
+    std::memset(static_cast<void*>(b), 0, sizeof b);
+    for (int r = 0; r < 16 * mt; ++r) std::memcpy(a[r], x + r * in + full * kDepth, size_t(rem) * sizeof(bf16));
+    const int64_t pairs = (rem + 1) / 2;  // the packing's zero pads an odd `in`
+    for (int n = 0; n < nb; ++n)
+      std::memcpy(b[n], wb + n * bstride + full * kTileRows * pair_elems, size_t(pairs * pair_elems) * sizeof(bf16));
+    step(&a[0][0], kDepth * int64_t(sizeof(bf16)), b[0], b[1]);
+  }
+  alignas(64) float stage[2 * kTileRows][2 * kPackBlock];
+  constexpr int64_t ld = 2 * kPackBlock * int64_t(sizeof(float));
+  tile_store<0>(&stage[0][0], ld);
+  if (nb == 2) tile_store<1>(&stage[0][kPackBlock], ld);
+  if (mt == 2) tile_store<2>(&stage[kTileRows][0], ld);
+  if (mt == 2 && nb == 2) tile_store<3>(&stage[kTileRows][kPackBlock], ld);
+  for (int n = 0; n < nb; ++n) {
+    const int64_t o = o0 + n * kPackBlock, left = out - o;
+    for (int r = 0; r < 16 * mt; ++r) {
+      const VF v = vload(&stage[r][n * kPackBlock]);
+      if (left >= kPackBlock) vstore(y + r * out + o, v);
+      else vstore_n(y + r * out + o, v, int(left));
+    }
+  }
+}
+
+// Items of 2 blocks by 64 x rows as linear_packed_steps: 32-row tile pairs, a 16-row tile, then
+// the rows left on the vector step.
+template <class TY>
+void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
+  const bf16* x = static_cast<const bf16*>(p.x);
+  const bf16* wp = static_cast<const bf16*>(p.w);
+  TY* y = static_cast<TY*>(p.y);
+  const int64_t T = p.T, in = p.in, out = p.out;
+  const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock;
+  const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock;
+  const int64_t n_tiles = (n_blocks + 1) / 2, tb = 64, n_tb = (T + tb - 1) / tb;
+  par(n_tiles * n_tb, 1, [&](int64_t i0, int64_t i1) {
+    const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
+    tile_loadconfig(&cfg);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b0 = (i / n_tb) * 2, t0 = (i % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
+      const int nb = n_blocks - b0 < 2 ? 1 : 2;
+      const bf16* wb = wp + b0 * bstride;
+      int64_t t = t0;
+      for (; t + kTileRows <= t1; t += 2 * kTileRows) {
+        const int mt = t + 2 * kTileRows <= t1 ? 2 : 1;
+        amx_packed_tile(mt, nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+        if (mt == 1) {
+          t += kTileRows;
+          break;
+        }
+      }
+      if (t < t1) packed_rows_n<PackedVecStep>(x, wp, bstride, y, in, out, t, t1, b0, nb);
+    }
+    tile_release();
+  });
+}
+#endif
+
 template <class TX, class TY>
 inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
+#if defined(GDN_AMX)
+  // Decode-sized T (< one tile of rows) stays on the vector step's 8 x 3 tile.
+  if constexpr (std::is_same_v<TX, bf16>)
+    if (p.T >= kTileRows && p.out > 0) return linear_packed_amx<TY>(p, par);
+#endif
 #if defined(GDN_BF16_DOT)
   if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedDotStep, TX, TY>(p, par);
 #endif
