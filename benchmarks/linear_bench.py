@@ -5,7 +5,13 @@ in_proj, [12352 x 2048]) for several token counts: the native kernel on packed w
 (``pack_linear_weight``, gdn_jax_linear_packed), on the [out, in] weights (gdn_jax_linear) and
 XLA's dot (``impl="reference"``). The three are timed in turn within each round and the rounds
 repeat, so each ratio is of medians taken under the same load; the table is the median of the
-round medians.
+round medians. The packed kernel's rate is given against the bf16 dot-product peak and its weight
+stream against the read bandwidth, both probed natively in the same run (roofline.py; the
+bandwidth as the best of a probe before and one after the table): decode-sized T is bound by the
+stream, prefill-sized T by the dots. The calls cycle over copies of w that hold at least 4x the
+last-level cache together (--cold-bytes), so that w comes from memory, as each layer's weights do
+in a model's forward: one copy of in_proj (48 MiB, 1.5x a 32 MiB LLC) read over and over is partly
+served from the LLC.
 
     PYTHONPATH=. python benchmarks/linear_bench.py                       # T = 1, 8, 64, 512
     PYTHONPATH=. python benchmarks/linear_bench.py --tokens 8 --out 5120 --in 5120 --rounds 5
@@ -14,6 +20,8 @@ round medians.
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import statistics
 import sys
 
@@ -22,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gdn_jax
+import roofline  # benchmarks/ is the script's directory
 from gdn_jax.ops import linear, pack_linear_weight
-from layer_breakdown import median_ms  # benchmarks/ is the script's directory
+from layer_breakdown import median_ms
 
 LAYOUTS = ("packed", "plain", "xla")
 
@@ -35,10 +44,13 @@ def main(argv=None) -> int:
     ap.add_argument("--in", type=int, default=2048, dest="n_in")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="per timing (XLA's slow cases: 3 calls at least)")
+    ap.add_argument("--cold-bytes", type=int, default=4 * roofline.LLC_BYTES,
+                    help="the calls cycle over copies of w holding at least this many bytes (0: one copy)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.n_out, args.n_in, args.rounds, args.seconds = "1,9", 100, 70, 1, 0.05
+        args.cold_bytes = 2 * args.n_out * args.n_in * 2  # two copies: the cycling runs
     if not gdn_jax.native_available():
         print("the native extension is not built (make build)")
         return 1
@@ -46,25 +58,50 @@ def main(argv=None) -> int:
                "?") if sys.platform.startswith("linux") else "?"
     print(f"projection [{args.n_out} x {args.n_in}] bf16 on {cpu}, ISA {gdn_jax.selected_isa()}, jax "
           f"{jax.__version__}", flush=True)
+    threads = os.cpu_count() or 1
+    probe_bytes = (1 << 22) if args.quick else 8 * roofline.LLC_BYTES
+    read_gbs = [roofline.bandwidth_gbs("read", probe_bytes)]
+    fma_peak = roofline.fma_peak_gflops(threads)
+    dot_peak, dot_source = roofline.bf16_dot_peak(gdn_jax.selected_isa(), threads, fma_peak)
+    if dot_peak is None:  # a module built without the bf16 probe: said so in dot_source
+        dot_peak = fma_peak
+    print(f"bf16 peak {dot_peak:.1f} GFLOP/s ({dot_source}); read bandwidth {read_gbs[0]:.1f} GB/s (before)",
+          flush=True)
     rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((args.n_out, args.n_in)) * 0.02, jnp.bfloat16)
-    weights = {"packed": pack_linear_weight(w), "plain": w, "xla": w}
+    w_np = rng.standard_normal((args.n_out, args.n_in)) * 0.02
+    w_bytes = args.n_out * args.n_in * 2
+    copies = max(1, -(-args.cold_bytes // w_bytes))
+    plain = [jnp.asarray(w_np, jnp.bfloat16) for _ in range(copies)]  # distinct buffers, same values
+    weights = {"packed": [pack_linear_weight(w) for w in plain], "plain": plain, "xla": plain}
+    turn = {k: itertools.cycle(range(copies)) for k in LAYOUTS}
+    print(f"w cycled over {copies} cop{'y' if copies == 1 else 'ies'} per layout ({copies * w_bytes / 2**20:.1f} "
+          f"MiB)", flush=True)
     fns = {k: jax.jit(lambda x, w_, impl=("reference" if k == "xla" else "native"): linear(x, w_, impl=impl))
            for k in LAYOUTS}
-    print("| T | packed ms | plain ms | XLA dot ms | packed / plain | packed GFLOP/s | packed GB/s of w |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | packed ms | plain ms | XLA dot ms | packed / plain | packed GFLOP/s | % of bf16 peak | "
+          "packed GB/s of w | % of read bandwidth |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    table = []
     for T in (int(t) for t in args.tokens.split(",")):
         x = jnp.asarray(rng.standard_normal((T, args.n_in)), jnp.bfloat16)
         rounds = {k: [] for k in LAYOUTS}
         for _ in range(args.rounds):
             for k in LAYOUTS:
-                rounds[k].append(median_ms(lambda k=k: fns[k](x, weights[k]), warmup=1, min_iters=3,
-                                           target_s=args.seconds))
+                rounds[k].append(median_ms(lambda k=k: fns[k](x, weights[k][next(turn[k])]), warmup=1,
+                                           min_iters=3, target_s=args.seconds))
         ms = {k: statistics.median(v) for k, v in rounds.items()}
         gflops = 2 * T * args.n_in * args.n_out / ms["packed"] / 1e6
         gbs = args.n_out * args.n_in * 2 / ms["packed"] / 1e6
+        table.append((T, ms, gflops, gbs))
         print(f"| {T} | {ms['packed']:.2f} | {ms['plain']:.2f} | {ms['xla']:.2f} | "
-              f"{ms['packed'] / ms['plain']:.2f} | {gflops:.1f} | {gbs:.1f} |", flush=True)
+              f"{ms['packed'] / ms['plain']:.2f} | {gflops:.1f} | {100 * gflops / dot_peak:.1f} | {gbs:.1f} | "
+              f"{100 * gbs / read_gbs[0]:.1f} |", flush=True)
+    read_gbs.append(roofline.bandwidth_gbs("read", probe_bytes))
+    if read_gbs[1] > read_gbs[0]:
+        print(f"read bandwidth after the table {read_gbs[1]:.1f} GB/s: % of read bandwidth against it: "
+              + ", ".join(f"T={T} {100 * gbs / read_gbs[1]:.0f}" for T, _, _, gbs in table))
+    else:
+        print(f"read bandwidth after the table {read_gbs[1]:.1f} GB/s (the fractions use {read_gbs[0]:.1f})")
     return 0
 
 

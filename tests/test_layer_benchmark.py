@@ -37,4 +37,6 @@ def test_linear_bench_quick():
     rows = [line.split("|")[1:-1] for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [int(r[0]) for r in rows] == [1, 9], out
     for r in rows:
-        assert all(float(v) > 0 for v in r[1:]), r
+        assert len(r) == 9 and all(float(v) > 0 for v in r[1:]), r   # times, ratio, rates, fractions
+    assert re.search(r"bf16 peak \d+\.\d GFLOP/s \(.+\); read bandwidth \d+\.\d GB/s", out), out
+    assert re.search(r"read bandwidth after the table \d+\.\d GB/s", out), out
