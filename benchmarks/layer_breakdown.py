@@ -18,6 +18,8 @@ The projections run on the native kernels (the layer's impl): with the weights i
 Face's [out, in] layout (gdn_jax_linear) and packed once (GDNLayerParams.packed,
 gdn_jax_linear_packed), each case timed with both unless --weights says otherwise.
 
+The calls cycle over copies of the weights and over disjoint slot sets of the state pool, each
+holding at least 4x the last-level cache, so that both come from memory as in a model's forward.
 Medians of repeated calls after warm-up; the parts are timed one after another in the same
 run, so their sum may differ from the step (the step overlaps nothing, but XLA may fuse the
 norm into neighbours and the parts each pay a dispatch).
@@ -25,6 +27,7 @@ norm into neighbours and the parts each pay a dispatch).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -34,6 +37,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as run.py does
+import roofline  # noqa: E402
 
 import gdn_jax
 from gdn_jax import GDNCache, GDNConfig, Request, build_batch
@@ -63,50 +69,61 @@ def median_ms(fn, *, warmup=2, min_iters=5, target_s=2.0):
     return 1e3 * statistics.median(times)
 
 
-def case_batch(kind: str, n: int, num_slots: int):
+def case_batch(kind: str, n: int, num_slots: int, first_slot: int = 0):
     if kind == "decode":
-        reqs = [Request.decode(i) for i in range(n)]
+        reqs = [Request.decode(first_slot + i) for i in range(n)]
         T = max(8, n)
     else:
-        reqs = [Request.prefill(0, n)]
+        reqs = [Request.prefill(first_slot, n)]
         T = n
     return build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=max(2, len(reqs))), T
 
 
-def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain"):
+def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain", cold_bytes=4 * roofline.LLC_BYTES):
     hidden, H, HV, K, V = dims
     cfg = GDNLayerConfig(hidden_size=hidden, core=GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K,
                                                             head_v_dim=V, act_dtype=jnp.bfloat16))
-    plain = GDNLayerParams.random(cfg, jax.random.key(0))
-    params = plain.packed() if weights == "packed" else plain
-    hb, T = case_batch(kind, n, num_slots=max(16, n))
-    meta = hb.metadata.to_device()
+    # From memory, as in a model's forward: the calls cycle over weight copies and over disjoint
+    # slot sets of a pool, each holding at least cold_bytes.
+    w_bytes = 2 * hidden * (cfg.D + cfg.Z + 2 * cfg.HV) + 2 * cfg.Z * hidden
+    copies = [GDNLayerParams.random(cfg, jax.random.key(i)) for i in range(max(1, -(-cold_bytes // w_bytes)))]
+    plain = copies[0]
+    params_set = [p.packed() for p in copies] if weights == "packed" else copies
+    rows = n if kind == "decode" else 1
+    n_sets = max(1, -(-cold_bytes // (rows * HV * K * V * 4)))
+    num_slots = max(16, n_sets * rows)
+    batches = [case_batch(kind, n, num_slots, s * rows) for s in range(n_sets)]
+    T = batches[0][1]
+    metas = [hb.metadata.to_device() for hb, _ in batches]
+    turn = {k: itertools.cycle(range(len(params_set))) for k in ("step", "in", "out")}
+    meta_turn = itertools.cycle(range(n_sets))
+    params = params_set[0]
     rng = np.random.default_rng(0)
     h = jnp.asarray(rng.standard_normal((T, hidden)), jnp.bfloat16)
     layer = GatedDeltaNetLayer(cfg, "native")
     core = GDNAttention(cfg.core, "native")
     step = layer.prefill_with_status if kind == "prefill" else layer.decode_with_status
     core_step = core.prefill_with_status if kind == "prefill" else core.decode_with_status
-    box = {"cache": GDNCache.create(cfg.core, max(16, n))}
+    box = {"cache": GDNCache.create(cfg.core, num_slots)}
 
     def layer_call():
-        out, box["cache"], st = step(h, params, box["cache"], meta)
+        out, box["cache"], st = step(h, params_set[next(turn["step"])], box["cache"], metas[next(meta_turn)])
         return out
 
     proj = jax.jit(in_projection, static_argnums=(0, 3))
     mixed, z, b, a = proj(cfg, params, h, "native")
 
     def core_call():
-        o, box["cache"], st = core_step(mixed, b, a, params.core, box["cache"], meta)
+        o, box["cache"], st = core_step(mixed, b, a, params.core, box["cache"], metas[next(meta_turn)])
         return o
 
     o = core_call()
     norm = jax.jit(gated_rms_norm, static_argnums=3)
     outp = jax.jit(out_projection, static_argnums=2)
     y = norm(o, z, params.norm_weight, cfg.rms_norm_eps).reshape(T, cfg.Z)
-    t = dict(step=median_ms(layer_call), in_proj=median_ms(lambda: proj(cfg, params, h, "native")), core=median_ms(core_call),
-             norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps)),
-             out_proj=median_ms(lambda: outp(params, y, "native")))
+    t = dict(step=median_ms(layer_call), in_proj=median_ms(lambda: proj(cfg, params_set[next(turn["in"])], h, "native")),
+             core=median_ms(core_call), norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps)),
+             out_proj=median_ms(lambda: outp(params_set[next(turn["out"])], y, "native")))
     xla = None
     if compare_xla:  # XLA's dot (impl="reference", [out, in] weights) in the same run; few calls, seconds each
         quick = dict(warmup=1, min_iters=3, target_s=0.0)
@@ -140,8 +157,6 @@ def main(argv=None) -> int:
         return 1
     threads = os.cpu_count() or 1
     from gdn_jax import _ffi
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as run.py does
-    import roofline  # noqa: E402
 
     fma = roofline.fma_peak_gflops(threads)
     bf16_peak, bf16_source = roofline.bf16_dot_peak(gdn_jax.selected_isa(), threads, fma)
@@ -163,7 +178,8 @@ def main(argv=None) -> int:
     rows = []
     for i, (name, dims, kind, n, w) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {name} {kind} {n} {w} weights", flush=True)
-        rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True), args.compare_xla, w))
+        rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True), args.compare_xla, w,
+                             cold_bytes=(1 << 20) if args.quick else 4 * roofline.LLC_BYTES))
     if args.quick:
         return 0
     lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",
