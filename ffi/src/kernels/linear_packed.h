@@ -18,6 +18,7 @@ constexpr int kPackedMT = kLinearRegs >= 21 ? 8 : kLinearRegs >= 8 ? 4 : 2;
 // w's pairs widened exactly (a shift, a mask), x f32 or bf16: two f32 FMAs per pair.
 struct PackedFmaStep {
   static constexpr int kNB = kLinearRegs >= 21 ? 2 : 1;
+  static constexpr int64_t kPrefetchW = 0;  // elements ahead the first tile of an item prefetches w
   struct W {
     VF even, odd;
   };
@@ -39,6 +40,9 @@ struct PackedFmaStep {
 // four q registers: 4 rows x 1 block = 16 accumulators, 4 w, 1 x).
 struct PackedDotStep {
   static constexpr int kNB = kLinearRegs >= 21 ? 3 : 1;
+  // 2 KiB ahead on each block's stream, into L2: with w from memory (decode) the dots run ahead
+  // of the hardware prefetcher otherwise (ffi/README.md, "Projections (linear)").
+  static constexpr int64_t kPrefetchW = 1024;
   using W = VB;
   using X = VB;
   static W load_w(const bf16* p) { return vload_b(p); }
@@ -48,15 +52,21 @@ struct PackedDotStep {
 #endif
 
 // Rows [0, MT) of x (row stride `in`) by blocks [0, NB) of wb (block stride `bstride`
-// elements): the tile's sums, stored to y (row stride `out`) for outputs [o0, out).
+// elements): the tile's sums, stored to y (row stride `out`) for outputs [o0, out). `stream`:
+// the item's first tile, which brings the blocks from memory (the others find them in L2).
 template <int MT, int NB, class Step, class TX, class TY>
-inline void packed_tile(const TX* x, const bf16* wb, int64_t bstride, TY* y, int64_t in, int64_t out, int64_t o0) {
+inline void packed_tile(const TX* x, const bf16* wb, int64_t bstride, TY* y, int64_t in, int64_t out, int64_t o0,
+                        bool stream) {
   VF acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = vzero();
   const int64_t pairs = in / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     typename Step::W wv[NB];
+    if constexpr (Step::kPrefetchW > 0) {
+      if (stream)  // past the block's end: a prefetch does not fault
+        for (int n = 0; n < NB; ++n) __builtin_prefetch(wb + n * bstride + 2 * kPackBlock * p + Step::kPrefetchW, 0, 2);
+    }
     for (int n = 0; n < NB; ++n) wv[n] = Step::load_w(wb + n * bstride + 2 * kPackBlock * p);
     for (int m = 0; m < MT; ++m) {
       const typename Step::X xv = Step::load_x(x + m * in + 2 * p);
@@ -85,10 +95,10 @@ inline void packed_tile(const TX* x, const bf16* wb, int64_t bstride, TY* y, int
 // One tile of `rows` (1 .. kPackedMT - 1) x rows: the rows left after the full tiles.
 template <int NB, class Step, int MT = kPackedMT - 1, class TX, class TY>
 inline void packed_tile_left(int rows, const TX* x, const bf16* wb, int64_t bstride, TY* y, int64_t in, int64_t out,
-                             int64_t o0) {
+                             int64_t o0, bool stream) {
   if constexpr (MT >= 1) {
-    if (rows == MT) return packed_tile<MT, NB, Step>(x, wb, bstride, y, in, out, o0);
-    packed_tile_left<NB, Step, MT - 1>(rows, x, wb, bstride, y, in, out, o0);
+    if (rows == MT) return packed_tile<MT, NB, Step>(x, wb, bstride, y, in, out, o0, stream);
+    packed_tile_left<NB, Step, MT - 1>(rows, x, wb, bstride, y, in, out, o0, stream);
   }
 }
 
@@ -101,9 +111,9 @@ inline void packed_rows(const TX* x, const bf16* wp, int64_t bstride, TY* y, int
   const int64_t o0 = b0 * kPackBlock;
   int64_t t = t0;
   for (; t + kPackedMT <= t1; t += kPackedMT)
-    packed_tile<kPackedMT, NB, Step>(x + t * in, wb, bstride, y + t * out, in, out, o0);
+    packed_tile<kPackedMT, NB, Step>(x + t * in, wb, bstride, y + t * out, in, out, o0, t == t0);
   const int left = int(t1 - t);
-  if (left > 0) packed_tile_left<NB, Step>(left, x + t * in, wb, bstride, y + t * out, in, out, o0);
+  if (left > 0) packed_tile_left<NB, Step>(left, x + t * in, wb, bstride, y + t * out, in, out, o0, t == t0);
 }
 
 // Rows [t0, t1) by blocks [b0, b0 + nb), any nb: tiles of Step::kNB blocks, then the rest.
