@@ -85,7 +85,8 @@ def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain",
                                                             head_v_dim=V, act_dtype=jnp.bfloat16))
     # From memory, as in a model's forward: the calls cycle over weight copies and over disjoint
     # slot sets of a pool, each holding at least cold_bytes.
-    w_bytes = 2 * hidden * (cfg.D + cfg.Z + 2 * cfg.HV) + 2 * cfg.Z * hidden
+    w_elems = sum(o * i for o, i in cfg.projection_shapes().values())  # MACs per token, too
+    w_bytes = 2 * w_elems
     copies = [GDNLayerParams.random(cfg, jax.random.key(i)) for i in range(max(1, -(-cold_bytes // w_bytes)))]
     plain = copies[0]
     params_set = [p.packed() for p in copies] if weights == "packed" else copies
@@ -131,7 +132,7 @@ def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain",
                median_ms(lambda: outp(plain, y, "reference"), **quick))
         log(f"  {name:<15} {kind} {n} {weights}: projections native {t['in_proj'] + t['out_proj']:.2f} ms, XLA dot "
             f"{xla:.2f} ms ({xla / (t['in_proj'] + t['out_proj']):.1f}x)")
-    flops = 2.0 * T * hidden * (cfg.D + cfg.Z + 2 * cfg.HV) + 2.0 * T * cfg.Z * hidden
+    flops = 2.0 * T * w_elems
     proj_ms = t["in_proj"] + t["out_proj"]
     gflops = flops / (proj_ms * 1e-3) / 1e9
     row = dict(model=name, case=f"{kind} {'B' if kind == 'decode' else 'T'}={n}", weights=weights, tokens=T, **t,

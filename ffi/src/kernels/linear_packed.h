@@ -51,6 +51,15 @@ struct PackedDotStep {
 };
 #endif
 
+// The vector step for bf16 x: the dot product where the ISA has one (the tile model's unit has
+// generic vectors: FMAs).
+using PackedBf16Step =
+#if defined(GDN_BF16_DOT)
+    PackedDotStep;
+#else
+    PackedFmaStep;
+#endif
+
 // Rows [0, MT) of x (row stride `in`) by blocks [0, NB) of wb (block stride `bstride`
 // elements): the tile's sums, stored to y (row stride `out`) for outputs [o0, out). `stream`:
 // the item's first tile, which brings the blocks from memory (the others find them in L2).
@@ -160,13 +169,6 @@ void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
 // in one order, 32 elements of `in` at a time (tdpbf16ps: even and odd products in two f32 FMA
 // chains, then both added to C), whatever the tile or thread; rows left after the 16-row tiles
 // take the vector step (another order; the split depends only on T).
-using PackedVecStep =
-#if defined(GDN_BF16_DOT)
-    PackedDotStep;
-#else
-    PackedFmaStep;  // the tile model's unit (generic vectors)
-#endif
-
 // Rows [0, 16 * mt) of x by blocks [0, nb) of wb, mt and nb in {1, 2}; tmm0..7 configured.
 template <class TY>
 inline void amx_packed_tile(int mt, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y, int64_t in,
@@ -248,7 +250,7 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
           break;
         }
       }
-      if (t < t1) packed_rows_n<PackedVecStep>(x, wp, bstride, y, in, out, t, t1, b0, nb);
+      if (t < t1) packed_rows_n<PackedBf16Step>(x, wp, bstride, y, in, out, t, t1, b0, nb);
     }
     tile_release();
   });
@@ -262,9 +264,7 @@ inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
   if constexpr (std::is_same_v<TX, bf16>)
     if (p.T >= kTileRows && p.out > 0) return linear_packed_amx<TY>(p, par);
 #endif
-#if defined(GDN_BF16_DOT)
-  if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedDotStep, TX, TY>(p, par);
-#endif
+  if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedBf16Step, TX, TY>(p, par);
   linear_packed_steps<PackedFmaStep, TX, TY>(p, par);
 }
 template <class TX>
