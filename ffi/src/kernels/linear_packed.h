@@ -18,7 +18,11 @@ constexpr int kPackedMT = kLinearRegs >= 21 ? 8 : kLinearRegs >= 8 ? 4 : 2;
 // w's pairs widened exactly (a shift, a mask), x f32 or bf16: two f32 FMAs per pair.
 struct PackedFmaStep {
   static constexpr int kNB = kLinearRegs >= 21 ? 2 : 1;
-  static constexpr int64_t kPrefetchW = 0;  // elements ahead the first tile of an item prefetches w
+  // As the dot step's, with 2 blocks' streams per tile and in tiles of 4 rows and more: one
+  // stream, or fewer rows, the hardware prefetcher follows, and the prefetches cost
+  // (ffi/README.md, "Projections (linear)").
+  static constexpr int64_t kPrefetchW = kNB >= 2 ? 1024 : 0;
+  static constexpr int kPrefetchMinRows = 4;
   struct W {
     VF even, odd;
   };
@@ -43,6 +47,7 @@ struct PackedDotStep {
   // 2 KiB ahead on each block's stream, into L2: with w from memory (decode) the dots run ahead
   // of the hardware prefetcher otherwise (ffi/README.md, "Projections (linear)").
   static constexpr int64_t kPrefetchW = 1024;
+  static constexpr int kPrefetchMinRows = 1;
   using W = VB;
   using X = VB;
   static W load_w(const bf16* p) { return vload_b(p); }
@@ -72,7 +77,7 @@ inline void packed_tile(const TX* x, const bf16* wb, int64_t bstride, TY* y, int
   const int64_t pairs = in / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     typename Step::W wv[NB];
-    if constexpr (Step::kPrefetchW > 0) {
+    if constexpr (Step::kPrefetchW > 0 && MT >= Step::kPrefetchMinRows) {
       if (stream)  // past the block's end: a prefetch does not fault
         for (int n = 0; n < NB; ++n) __builtin_prefetch(wb + n * bstride + 2 * kPackBlock * p + Step::kPrefetchW, 0, 2);
     }
