@@ -44,9 +44,10 @@ struct PackedFmaStep {
 // four q registers: 4 rows x 1 block = 16 accumulators, 4 w, 1 x).
 struct PackedDotStep {
   static constexpr int kNB = kLinearRegs >= 21 ? 3 : 1;
-  // 2 KiB ahead on each block's stream, into L2: with w from memory (decode) the dots run ahead
-  // of the hardware prefetcher otherwise (ffi/README.md, "Projections (linear)").
-  static constexpr int64_t kPrefetchW = 1024;
+  // 2 KiB ahead on each block's stream, into L2: with w from memory (decode) the 3 streams'
+  // dots run ahead of the hardware prefetcher otherwise; one stream (NEON) it follows, as on the
+  // FMA step (ffi/README.md, "Projections (linear)").
+  static constexpr int64_t kPrefetchW = kNB >= 2 ? 1024 : 0;
   static constexpr int kPrefetchMinRows = 1;
   using W = VB;
   using X = VB;
