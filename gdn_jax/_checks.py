@@ -128,6 +128,8 @@ STATUS_MESSAGES = {
     5: "row {row}: slot {value} is also named by row {aux}; a slot may be named once per step",
     6: "row {row}: num_accepted_tokens = {value} is outside [1, {aux}]",
     7: "row {row}: {value} tokens, more than the {aux} this path allows (num_spec + 1)",
+    8: "row {row}: slot {value} is named by two of its used columns; each token's state needs a slot of its "
+       "own (a slot may be named once per step)",
 }
 
 
@@ -187,17 +189,21 @@ def status_qsl_jnp(qsl, T: int):
 
 
 def _slot_checks(slots, used, rows, cols, N: int):
-    """slots/used/rows/cols: flat arrays of the slots a batch names; range and distinctness."""
+    """slots/used/rows/cols: flat arrays of the slots a batch names; range and distinctness
+    (two rows, or two used columns of one row, naming one slot)."""
     bad_range = used & ((slots < 0) | (slots >= N))
     br, i = _first(bad_range)
     n = slots.shape[0]
-    same = (slots[:, None] == slots[None, :]) & used[:, None] & used[None, :] & (rows[:, None] != rows[None, :])
-    # Report the later row of the first clash, as the kernel does (it sorts by slot then row).
-    later = same & (rows[:, None] > rows[None, :])
+    same = (slots[:, None] == slots[None, :]) & used[:, None] & used[None, :]
+    # Report the later row of the first clash, as the kernel does (it sorts by slot then row);
+    # within one row the later column.
+    pos = jnp.arange(n)
+    later = same & ((rows[:, None] > rows[None, :]) | ((rows[:, None] == rows[None, :]) & (pos[:, None] > pos[None, :])))
     flat = later.reshape(-1)
     bd, j = _first(flat)
     a_, b_ = j // max(n, 1), j % max(n, 1)
-    return [(br, _status(4, rows[i], slots[i], cols[i])), (bd, _status(5, rows[a_], slots[a_], rows[b_]))]
+    code = jnp.where(rows[a_] == rows[b_], 8, 5)
+    return [(br, _status(4, rows[i], slots[i], cols[i])), (bd, _status(code, rows[a_], slots[a_], rows[b_]))]
 
 
 def status_slots_jnp(qsl, idx, T: int, N: int):

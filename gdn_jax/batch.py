@@ -153,7 +153,7 @@ class BatchMetadata:
 # device-side validation
 # ---------------------------------------------------------------------------------------
 
-# Codes 1..7 are the kernels' (gdn_jax._checks.STATUS_MESSAGES); the step's own start at 16.
+# Codes 1..8 are the kernels' (gdn_jax._checks.STATUS_MESSAGES); the step's own start at 16.
 CODE_ROW_KIND = 16
 CODE_PAD_MISMATCH = 17
 CODE_DECODE_LEN = 18
@@ -272,9 +272,9 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
     out = jnp.zeros((4,), jnp.int32)
     if S * C > 1:  # a single (row, column) cannot clash with anything
         ss, sr = lax.sort((flat_slot, flat_row), num_keys=2)
-        clash = (ss[1:] == ss[:-1]) & (ss[1:] != big) & (sr[1:] != sr[:-1])
+        clash = (ss[1:] == ss[:-1]) & (ss[1:] != big)  # two rows, or two used columns of one
         j = jnp.argmax(clash)
-        st_dup = _status(5, sr[j + 1], ss[j + 1], sr[j])
+        st_dup = _status(jnp.where(sr[j + 1] == sr[j], 8, 5), sr[j + 1], ss[j + 1], sr[j])
         out = jnp.where(jnp.any(clash), st_dup, out)
     out = jnp.where(any_row, st_row, out)
     out = jnp.where(st_qsl[0] != 0, st_qsl, out)
@@ -473,10 +473,14 @@ def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 
                                  f"accepted counts), got {acc}")
             if len(slots) != 1:
                 raise ValueError(f"{nm}: a {kind} row names exactly one slot, got {len(slots)}: {slots!r}")
+        used_cols = max(n, acc) if kind == "spec" else 1
         for c, s in enumerate(slots):
             if not 0 <= s < N:
                 where = f"slot {s}" if len(slots) == 1 else f"slot {s} (column {c})"
                 raise ValueError(f"{nm}: {where} is outside [0, {N})")
+            if c < used_cols and s in slots[:c]:
+                raise ValueError(f"{nm}: slot {s} is named by columns {slots.index(s)} and {c}; each token's "
+                                 f"state needs a slot of its own (a slot may be named once per step)")
             if s in seen and seen[s] != i:
                 j = seen[s]
                 raise ValueError(f"{nm}: slot {s} is also named by {_name(reqs[j], j)}; a slot may be named "

@@ -103,6 +103,8 @@ BAD = [
     ([Request.spec((1, 2, 3, 4), 2, num_accepted=5)], "num_accepted must be in \\[1, num_spec \\+ 1 = 4\\], got 5"),
     ([Request.spec((1, 2, 3), 2)], "a spec row names num_spec \\+ 1 = 4 slots \\(its block-table row\\), got 3"),
     ([Request.spec((1, 2, 3, 99), 2)], f"slot 99 \\(column 3\\) is outside \\[0, {N}\\)"),
+    ([Request.spec((1, 2, 2, 4), 3, id="d")],
+     "request 0 \\(id='d', spec\\): slot 2 is named by columns 1 and 2; each token's state needs a slot"),
     ([Request.spec((1, 2, 3, 4), 2), Request.spec((5, 6, 7, 2), 1, id="x")],
      "request 1 \\(id='x', spec\\): slot 2 is also named by request 0 \\(spec\\)"),
     ([Request("spec", 2, (1, 2, 3, 4), has_initial_state=False)], "has_initial_state must be True"),
@@ -209,10 +211,27 @@ def test_device_status_kinds_per_path(impl):
     assert st.tolist()[:2] == [16, 2]
 
 
-def test_device_duplicate_inside_one_row_is_allowed(impl):
-    # A spec row may name one slot in two of its columns (the kernels allow it too).
+def test_device_duplicate_inside_one_row_is_refused(impl):
+    # Row 1 (spec, 3 tokens, acc 2) writing tokens 1 and 2 to slot 5 would leave token 1's state
+    # replaced by token 2's: one slot named twice in a step, as across rows.
     m = _edit(_good(), state_indices=_set(((1, 2), 5)))
-    assert _status(m, impl).tolist() == [0, 0, 0, 0]
+    st = _status(m, impl)
+    assert st.tolist() == [8, 1, 5, 1]
+    assert "row 1: slot 5 is named by two of its used columns" in status_message("x", st)
+    # The read column (acc - 1 = 1) against a written one clashes too.
+    assert _status(_edit(_good(), state_indices=_set(((1, 0), 5))), impl).tolist() == [8, 1, 5, 1]
+    # An unused column (>= max(q, acc) = 3) may repeat a used one.
+    assert _status(_edit(_good(), state_indices=_set(((1, 3), 4))), impl).tolist() == [0, 0, 0, 0]
+    # Across rows the clash is reported first when its slot sorts first.
+    m = _edit(_good(), state_indices=_set(((1, 2), 5)))
+    m.state_indices[2, 0] = 4
+    assert _status(m, impl).tolist() == [5, 2, 4, 1]
+
+
+def test_host_builder_allows_a_repeat_in_unused_spec_columns():
+    # One token, acc 1: only column 0 is used, so columns 1 and 2 may repeat a slot.
+    hb = _build([Request.spec((1, 2, 2, 4), 1)])
+    assert hb.metadata.state_indices.tolist()[0] == [1, 2, 2, 4]
 
 
 def test_device_unused_spec_columns_are_not_checked(impl):

@@ -63,7 +63,7 @@ def _verdict(m: dict, kinds, T: int, C: int):
     decreases, ends <= T; each row's kind is one the step takes and padding iff column 0 is -1;
     decode rows have 1 token; spec rows accept 1..C tokens and have at most C; other live rows
     accept 1; every slot a live row uses (column 0; spec: columns < max(q, acc)) is in [0, N)
-    and named by no other row.
+    and named by no other row and no other used column of its own.
     """
     qsl, idx, kind, acc = m["qsl"], m["idx"], m["kind"], m["acc"]
     S = len(kind)
@@ -89,9 +89,11 @@ def _verdict(m: dict, kinds, T: int, C: int):
         if k != ROW_SPEC and a != 1:
             return f"row {r}: acc {a} on kind {k}", None
         used = [int(s) for s in idx[r, :max(q, a, 1) if k == ROW_SPEC else 1]]
-        for s in used:
+        for c, s in enumerate(used):
             if not 0 <= s < N:
                 return f"row {r}: slot {s} out of range", None
+            if s in used[:c]:
+                return f"row {r}: slot {s} in two of its columns", None
             if owner.get(s, r) != r:
                 return f"row {r}: slot {s} also in row {owner[s]}", None
             owner[s] = r

@@ -612,6 +612,7 @@ BAD_BATCHES = [
     ("negative slot", _edited("state_indices", (2, 0), -2), "row 2: slot -2 \\(column 0\\) is outside"),
     ("slot twice", _edited("state_indices", (2, 0), 5), "row 2: slot 5 is also named by row 1"),
     ("slot twice across kinds", _edited("state_indices", (2, 0), 1), "row 2: slot 1 is also named by row 0"),
+    ("slot twice in a spec row", _edited("state_indices", (1, 2), 5), "row 1: slot 5 is named by two of its used columns"),
     ("qsl non-monotone", _edited("query_start_loc", 2, 0), "query_start_loc must be non-decreasing"),
     ("qsl past T", _edited("query_start_loc", slice(3, None), T + 1), f"query_start_loc\\[-1\\] = {T + 1} is past"),
     ("qsl start", _edited("query_start_loc", 0, 1), "query_start_loc\\[0\\] must be 0"),

@@ -16,12 +16,14 @@ Status fail(int32_t code, int64_t row, int64_t value, int64_t aux = 0) {
   return s;
 }
 
-// Sorting (slot, row) pairs costs O(S log S), independent of the pool size N.
+// Sorting (slot, row) pairs costs O(S log S), independent of the pool size N. Two used columns
+// of one row naming one slot clash too (the later token's state would replace the earlier's).
 Status check_distinct(std::vector<std::pair<int32_t, int32_t>>& used) {
   std::sort(used.begin(), used.end());
   for (size_t i = 1; i < used.size(); ++i)
-    if (used[i].first == used[i - 1].first && used[i].second != used[i - 1].second)
-      return fail(kSlotTwice, used[i].second, used[i].first, used[i - 1].second);
+    if (used[i].first == used[i - 1].first)
+      return fail(used[i].second == used[i - 1].second ? kSlotTwiceInRow : kSlotTwice, used[i].second,
+                  used[i].first, used[i - 1].second);
   return Status{};
 }
 

@@ -16,6 +16,7 @@ enum StatusCode : int32_t {
   kSlotTwice = 5,       // one slot named by two rows                     value = slot, aux = other row
   kAcceptedRange = 6,   // num_accepted_tokens outside [1, max]           value = acc, aux = max
   kRowTooLong = 7,      // row has more tokens than its path allows       value = tokens, aux = max
+  kSlotTwiceInRow = 8,  // one slot in two used columns of one spec row   value = slot, aux = row
   // Step-level checks (check_step_batch; gdn_jax/batch.py's batch_status on other backends):
   kRowKind = 16,        // row_kind unknown or not taken by the step       value = kind, aux = allowed bits
   kPadMismatch = 17,    // padding row with a slot, or live row without     value = kind, aux = column-0 slot
@@ -50,7 +51,7 @@ Status check_spec_rows(const int32_t* qsl, const int32_t* idx, int64_t index_col
 // answer: query_start_loc first; then the first row failing, in this order, its kind (one of
 // allowed_bits), padding iff column-0 slot is -1, num_accepted_tokens (spec: [1, C]; others
 // 1), decode length 1, spec length <= C, the used columns' slots in [0, N) (column 0; spec:
-// [0, max(q, acc))); then no slot used by two rows. idx is [S, C].
+// [0, max(q, acc))); then no slot used twice (by two rows or two columns of one). idx is [S, C].
 Status check_step_batch(const int32_t* qsl, const int32_t* idx, int64_t C, const int32_t* row_kind,
                         const int32_t* num_accepted, int64_t S, int64_t T, int64_t N, int32_t allowed_bits);
 
