@@ -161,7 +161,9 @@ class InvalidBatchError(ValueError):
 
 
 def _first(mask):
-    """(any, index of the first True) of a 1-D bool array."""
+    """(any, index of the first True) of a 1-D bool array; (False, 0) when it is empty."""
+    if mask.shape[0] == 0:  # argmax has no empty form (a batch of 0 rows or 0 slots)
+        return jnp.bool_(False), jnp.int32(0)
     return jnp.any(mask), jnp.argmax(mask).astype(jnp.int32)
 
 
@@ -208,6 +210,8 @@ def _slot_checks(slots, used, rows, cols, N: int):
 
 def status_slots_jnp(qsl, idx, T: int, N: int):
     S = idx.shape[0]
+    if S == 0:  # no rows: only query_start_loc can be wrong
+        return status_qsl_jnp(qsl, T)
     rows = jnp.arange(S, dtype=jnp.int32)
     checks = [(status_qsl_jnp(qsl, T)[0] != 0, status_qsl_jnp(qsl, T))]
     checks += _slot_checks(idx, idx != PAD_SLOT_ID, rows, jnp.zeros_like(rows), N)
@@ -218,6 +222,8 @@ def status_spec_jnp(qsl, idx2d, num_accepted, T: int, N: int, max_tokens: int, m
     """Mirror of check_spec_rows: slot_cols=False checks only column 0 (conv buffer)."""
     S, C = idx2d.shape
     st_qsl = status_qsl_jnp(qsl, T)
+    if S == 0:
+        return st_qsl
     live = idx2d[:, 0] != PAD_SLOT_ID
     q = qsl[1:] - qsl[:-1]
     rows = jnp.arange(S, dtype=jnp.int32)
@@ -244,6 +250,8 @@ def status_copy_slots_jnp(src, dst, N: int):
     """Mirror of the copy_slots handler's checks: slots in range, each dst once, and no slot
     that one row reads while another writes it."""
     S = dst.shape[0]
+    if S == 0:
+        return jnp.zeros((4,), jnp.int32)
     rows = jnp.arange(S, dtype=jnp.int32)
     live = dst != PAD_SLOT_ID
     bad_dst, i = _first(live & ((dst < 0) | (dst >= N)))

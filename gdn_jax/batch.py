@@ -222,6 +222,8 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
     S, C = idx.shape
     T, N = int(num_tokens), int(num_slots)
     st_qsl = _checks.status_qsl_jnp(qsl, T)
+    if S == 0:  # no rows: only query_start_loc can be wrong
+        return st_qsl
     rows = jnp.arange(S, dtype=jnp.int32)
     q = qsl[1:] - qsl[:-1]
     col0 = idx[:, 0]

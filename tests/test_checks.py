@@ -290,3 +290,47 @@ def test_bad_batch_under_jit_off_cpu_path_logs_from_callback(monkeypatch):
         y, cs2 = f(x, cs, jnp.array([1, 7], jnp.int32))
         jax.effects_barrier()
     np.testing.assert_array_equal(np.asarray(cs2), before)
+
+
+# --- empty batches: no tokens or no rows write nothing, on both paths -------------------------
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_empty_batches_write_nothing(impl):
+    """The reference's gathers have no empty form: with T = 0 or S = 0 it must not run them, and
+    return what the kernels do (zeros, the pools unchanged, status OK)."""
+    rng = np.random.default_rng(5)
+    N = 4
+    ssm = jnp.asarray(rng.normal(size=(N, HV, K, V)), jnp.float32)
+    conv = jnp.asarray(rng.normal(size=(N, W - 1 + 1, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(D, W)), jnp.float32)
+    ops = gdn_jax.ops
+    for T, S in ((0, 0), (0, 2), (3, 0)):
+        q, k = (jnp.ones((T, H, K)) for _ in range(2))
+        v, x = jnp.ones((T, HV, V)), jnp.ones((T, D))
+        qsl = jnp.zeros((S + 1,), jnp.int32)
+        idx = jnp.arange(S, dtype=jnp.int32)
+        runs = {
+            "conv_fwd": lambda: ops.causal_conv1d_fwd_with_status(
+                x, weight=w, bias=None, conv_state=conv, query_start_loc=qsl, state_indices=idx,
+                has_initial_state=jnp.ones((S,), bool), impl=impl),
+            "conv_update": lambda: ops.causal_conv1d_update_with_status(
+                x, weight=w, bias=None, conv_state=conv, state_indices=idx, query_start_loc=qsl,
+                num_accepted_tokens=jnp.ones((S,), jnp.int32), impl=impl),
+            "chunk": lambda: ops.chunk_gated_delta_rule_with_status(
+                q, k, v, g=jnp.zeros((T, HV)), beta=jnp.zeros((T, HV)), ssm_state=ssm, query_start_loc=qsl,
+                state_indices=idx, has_initial_state=jnp.ones((S,), bool), impl=impl),
+            "spec": lambda: ops.fused_sigmoid_gating_delta_rule_update_spec_with_status(
+                q, k, v, **_gates(T), ssm_state=ssm, query_start_loc=qsl,
+                spec_state_indices=jnp.stack([idx, idx + S], axis=1), num_accepted_tokens=jnp.ones((S,), jnp.int32),
+                impl=impl),
+        }
+        if T == S:  # decode: one token per row
+            runs["decode"] = lambda: ops.fused_sigmoid_gating_delta_rule_update_with_status(
+                q, k, v, **_gates(T), ssm_state=ssm, state_indices=idx, impl=impl)
+        for name, run in runs.items():
+            out, pool, status = run()
+            before = conv if name.startswith("conv") else ssm
+            assert np.asarray(status).tolist() == [0, 0, 0, 0], (name, T, S)
+            assert out.shape[0] == T and not np.any(np.asarray(out)), (name, T, S)
+            np.testing.assert_array_equal(np.asarray(pool), np.asarray(before), err_msg=f"{name} T={T} S={S}")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gdn_jax
-from gdn_jax.batch import PAD_SLOT_ID, ROW_PREFILL, BatchMetadata, Request, build_batch
+from gdn_jax.batch import PAD_SLOT_ID, ROW_PREFILL, ROW_SPEC, BatchMetadata, Request, build_batch
 from gdn_jax.config import GDNCache, GDNConfig, GDNParams
 from gdn_jax.paths import STEP_KINDS, GDNAttention
 from gdn_jax import paths
@@ -658,6 +658,42 @@ def test_bad_batches_raise_and_keep_the_cache(impl_isa):
         # and serving goes on from the returned cache
         reqs = _mixed_requests(CFG, rng)
         eng.step(reqs, _inputs(CFG, rng, reqs), check=True)
+
+
+def _empty_batch(T_, S_):
+    """S_ rows and T_ tokens, none of them in a row: rows 0 and 1 (when S_ > 1) are a prefill
+    and a spec row (acc 2) of zero tokens, the rest padding."""
+    m = BatchMetadata.empty(S_, CFG.num_spec)
+    if S_ > 1:
+        m.row_kind[:2] = [ROW_PREFILL, ROW_SPEC]
+        m.state_indices[0, 0] = 2
+        m.state_indices[1] = [4, 5, 6, 7]
+        m.has_initial_state[:2] = True
+        m.num_accepted_tokens[1] = 2
+    return m
+
+
+@pytest.mark.parametrize("impl_isa", IMPLS[:2])
+@pytest.mark.parametrize("T_,S_", [(0, 0), (0, 3), (4, 0)])
+def test_empty_batches_write_nothing(impl_isa, T_, S_):
+    """No tokens or no rows: a zero output, the cache bit-identical, on every path (the
+    reference's gathers have no empty form: it must not run them)."""
+    rng = np.random.default_rng(15)
+    with impl_context(impl_isa) as impl:
+        eng = Engine(CFG, impl, cache=garbage_cache(CFG, rng))
+        x, b, a = (jnp.asarray(v) for v in random_inputs(CFG, T_, rng))
+        for path in ("gdn_attention_core", "prefill", "decode", "spec_decode"):
+            m = _empty_batch(T_, S_) if path == "gdn_attention_core" else BatchMetadata.empty(S_, CFG.num_spec)
+            pre = cache_bits(eng.cache)
+            out, eng.cache, st = getattr(eng.attn, path + "_with_status")(x, b, a, eng.params, eng.cache, m)
+            assert np.asarray(st).tolist() == [0, 0, 0, 0], path
+            assert out.shape == (T_, CFG.HV, CFG.V) and not np.any(np.asarray(out)), path
+            assert _bits_equal(eng.cache.conv_state, pre[0]) and _bits_equal(eng.cache.ssm_state, pre[1]), path
+        # A bad query_start_loc is still found with no rows.
+        m = BatchMetadata.empty(S_, CFG.num_spec)
+        m.query_start_loc[0] = 1
+        _, eng.cache, st = eng.attn.gdn_attention_core_with_status(x, b, a, eng.params, eng.cache, m)
+        assert np.asarray(st).tolist()[:2] == [1, 0]
 
 
 @pytest.mark.parametrize("impl_isa", IMPLS[:1])
