@@ -122,6 +122,9 @@ class Checkpoint:
             return list(types)
         n = self._int_field("num_hidden_layers")
         interval = self.field("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise CheckpointError(f"{self.config_file}: field 'full_attention_interval' must be a positive int, "
+                                  f"got {interval!r}")
         return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
 
     @property
@@ -155,15 +158,27 @@ class Checkpoint:
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
-    def read(self, key: str, shape: tuple, why: str, rows: Optional[Sequence[tuple[int, int]]] = None) -> np.ndarray:
-        """Tensor ``key`` (or its row ranges) after checking its full shape is ``shape``."""
+    def read(self, key: str, shape: tuple, why: str, rows: Optional[Sequence[tuple[int, int]]] = None,
+             cols: Optional[tuple[int, int]] = None) -> np.ndarray:
+        """Tensor ``key`` (or its row ranges, or a column range of a 2-D one) after checking its
+        full shape is ``shape``."""
         f = self.locate(key)
         got = f.shape(key)
         if got != tuple(shape):
             raise CheckpointError(f"{f.path}: {key} has shape {list(got)}, expected {list(shape)} ({why})")
-        if f.dtype(key).kind != "f" and f.dtype(key) != np.dtype(jnp.bfloat16):
-            raise CheckpointError(f"{f.path}: {key} has dtype {f.dtype(key)}, expected a float type")
-        return f.read(key, rows)
+        dt = self.stored_dtype(f, key)
+        if dt.kind != "f" and dt != np.dtype(jnp.bfloat16):
+            raise CheckpointError(f"{f.path}: {key} has dtype {dt}, expected a float type")
+        return f.read(key, rows, cols)
+
+    @staticmethod
+    def stored_dtype(f: SafetensorsFile, key: str) -> np.dtype:
+        """``f.dtype(key)``; a dtype the reader does not take (FP8 of a quantized checkpoint) is a
+        CheckpointError naming the file, the key and the dtype."""
+        try:
+            return f.dtype(key)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
 
 def _cfg_desc(ck: Checkpoint, c: GDNLayerConfig) -> str:
@@ -192,7 +207,7 @@ def load_layer_config(path, *, num_spec: int = 0, state_dtype=jnp.float32, act_d
             raise CheckpointError(f"{ck.config_file}: no linear_attention layer in layer_types {ck.layer_types}")
         key = ck.prefix(layers[0]) + ("in_proj_qkvz.weight" if ck.family == "qwen3_next" else "in_proj_qkv.weight")
         f = ck.locate(key)
-        act_dtype = f.dtype(key)
+        act_dtype = Checkpoint.stored_dtype(f, key)
         if act_dtype not in _ACT:
             raise CheckpointError(f"{f.path}: {key} is stored as {act_dtype}; pass act_dtype= (float32 or bfloat16)")
     try:
@@ -276,9 +291,8 @@ def load_layer_params(path, layer: int, config: Optional[GDNLayerConfig] = None,
     A_log = read("A_log", (HV,), "[HV]", [(h0 * G, h1 * G)])
     dt_bias = read("dt_bias", (HV,), "[HV]", [(h0 * G, h1 * G)])
     norm = read("norm.weight", (V,), "[V] = linear_value_head_dim")
-    out = ck.read(pre + "out_proj.weight", (hid, Z), f"[hidden, HV*V]; {desc}")
-    if key_heads is not None:
-        out = out[:, h0 * G * V:h1 * G * V]
+    out = ck.read(pre + "out_proj.weight", (hid, Z), f"[hidden, HV*V]; {desc}",
+                  cols=None if key_heads is None else (h0 * G * V, h1 * G * V))
 
     act = c.act_dtype
 
@@ -325,7 +339,13 @@ def save_checkpoint(path, config: GDNLayerConfig, layers: dict[int, GDNLayerPara
     model_type = model_type or config.model_type
     if MODEL_FAMILIES.get(model_type) != config.model_type:
         raise ValueError(f"model_type {model_type!r} is not of the config's family {config.model_type!r}")
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0]
+    if bad or not layers:
+        raise ValueError(f"layers must map layer indices >= 0 to GDNLayerParams, got keys {sorted(layers, key=str)}")
     n_layers = num_hidden_layers or max(layers) + 1
+    if n_layers <= max(layers):
+        raise ValueError(f"num_hidden_layers={n_layers} leaves out layer {max(layers)} of layers: it must be at least "
+                         f"{max(layers) + 1}")
     H, K, V, G, hid = config.H, config.K, config.V, config.G, config.hidden_size
     text = {"hidden_size": hid, "linear_num_key_heads": H, "linear_num_value_heads": config.HV,
             "linear_key_head_dim": K, "linear_value_head_dim": V, "linear_conv_kernel_dim": config.core.W,

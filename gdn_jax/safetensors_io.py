@@ -28,6 +28,10 @@ DTYPES = {
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+# Other dtypes of the format (quantized checkpoints store FP8 beside bf16): their entries are
+# listed and size-checked, and reading one raises naming it, so that the file's other tensors
+# stay readable.
+_OTHER_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8}
 _MAX_HEADER = 100 << 20
 
 
@@ -52,21 +56,25 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{self.path}: unreadable safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: the safetensors header is a JSON {type(header).__name__}, not an object")
         self.metadata = header.pop("__metadata__", None) or {}
         self._data_start = 8 + n
         self._entries = {}
         for key, e in header.items():
             try:
-                dt = DTYPES[e["dtype"]]
+                name = str(e["dtype"])
                 shape = tuple(int(s) for s in e["shape"])
                 begin, end = (int(o) for o in e["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{self.path}: header entry {key!r} is malformed or of an unsupported dtype: {e!r}") \
-                    from None
-            if end - begin != int(np.prod(shape, dtype=np.int64)) * dt.itemsize or end > size - self._data_start:
+                raise ValueError(f"{self.path}: header entry {key!r} is malformed: {e!r}") from None
+            itemsize = DTYPES[name].itemsize if name in DTYPES else _OTHER_ITEMSIZE.get(name)
+            n = int(np.prod(shape, dtype=np.int64))
+            if (min(shape, default=0) < 0 or not 0 <= begin <= end <= size - self._data_start
+                    or (itemsize is not None and end - begin != n * itemsize)):
                 raise ValueError(f"{self.path}: {key!r} data_offsets {begin}..{end} do not fit shape {shape} "
-                                 f"{e['dtype']} in a file of {size} bytes")
-            self._entries[key] = (dt, shape, begin)
+                                 f"{name} in a file of {size} bytes")
+            self._entries[key] = (name, shape, begin)
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self._data_start else None
 
     def keys(self) -> list[str]:
@@ -78,20 +86,34 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple:
         return self._entries[key][1]
 
-    def dtype(self, key: str) -> np.dtype:
+    def dtype_name(self, key: str) -> str:
+        """The stored dtype as the format names it ("BF16", "F8_E4M3", ...)."""
         return self._entries[key][0]
 
+    def dtype(self, key: str) -> np.dtype:
+        """The NumPy dtype; ValueError naming the key for a dtype this reader does not take."""
+        name = self._entries[key][0]
+        if name not in DTYPES:
+            raise ValueError(f"{self.path}: {key!r} is stored as {name}, a dtype gdn_jax does not read "
+                             f"(it reads {', '.join(DTYPES)})")
+        return DTYPES[name]
+
     def _view(self, key: str) -> np.ndarray:
-        dt, shape, begin = self._entries[key]
+        _, shape, begin = self._entries[key]
+        dt = self.dtype(key)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if n == 0:
             return np.zeros(shape, dt)
         start = self._data_start + begin
         return self._map[start:start + n].view(dt).reshape(shape)
 
-    def read(self, key: str, rows: Optional[Sequence[tuple[int, int]]] = None) -> np.ndarray:
-        """The tensor ``key`` (a copy), or the concatenation of its rows ``[a, b)`` for each range."""
+    def read(self, key: str, rows: Optional[Sequence[tuple[int, int]]] = None,
+             cols: Optional[tuple[int, int]] = None) -> np.ndarray:
+        """The tensor ``key`` (a copy), or the concatenation of its rows ``[a, b)`` for each range;
+        ``cols=(a, b)``: only columns ``[a, b)`` of a 2-D tensor (each row's piece is read)."""
         v = self._view(key)
+        if cols is not None:
+            v = v[:, cols[0]:cols[1]]
         if rows is None:
             return np.array(v)
         return np.concatenate([v[a:b] for a, b in rows], axis=0)

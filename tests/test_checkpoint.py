@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from gdn_jax import GDNConfig
-from gdn_jax.checkpoint import (CheckpointError, gdn_layer_indices, load_layer_config, load_layer_params, load_layers,
-                                save_checkpoint)
+from gdn_jax.checkpoint import (Checkpoint, CheckpointError, gdn_layer_indices, load_layer_config, load_layer_params,
+                                load_layers, save_checkpoint)
 from gdn_jax.layer import GDNLayerConfig, GDNLayerParams
 from gdn_jax.safetensors_io import SafetensorsFile, save_file
 
@@ -65,6 +65,8 @@ def test_reader_matches_safetensors_and_torch(tmp_path):
         np.testing.assert_array_equal(f.read(k), v)
         assert f.dtype(k) == v.dtype and f.shape(k) == v.shape
     np.testing.assert_array_equal(f.read("a", rows=[(3, 5), (0, 1)]), arrays["a"][[3, 4, 0]])
+    np.testing.assert_array_equal(f.read("a", cols=(1, 3)), arrays["a"][:, 1:3])
+    np.testing.assert_array_equal(f.read("a", rows=[(3, 5)], cols=(2, 3)), arrays["a"][3:5, 2:3])
     t = torch.randn(6, 4).to(torch.bfloat16)
     st_torch_save({"w": t}, str(tmp_path / "bf.safetensors"))
     got = SafetensorsFile(tmp_path / "bf.safetensors").read("w")
@@ -87,6 +89,53 @@ def test_reader_refuses_malformed_files(tmp_path):
     p.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)   # data cut short
     with pytest.raises(ValueError, match="'w' data_offsets 0..64 do not fit"):
         SafetensorsFile(p)
+    for bad, msg in [({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, "'w' data_offsets -8..0"),
+                     ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, "'w' data_offsets 8..0"),
+                     ({"w": [1, 2]}, "header entry 'w' is malformed"),
+                     ([1, 2], "the safetensors header is a JSON list, not an object")]:
+        header = json.dumps(bad).encode()
+        p.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+        with pytest.raises(ValueError, match=msg):
+            SafetensorsFile(p)
+
+
+def _raw_file(path, entries, data: bytes):
+    header = json.dumps(entries).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+def test_reader_lists_other_dtypes_and_refuses_only_their_reads(tmp_path):
+    """A quantized checkpoint's file holds FP8 tensors beside bf16 ones: the bf16 ones read,
+    an FP8 one raises naming the key and its dtype (in a checkpoint: CheckpointError)."""
+    w = np.arange(4, dtype=np.float32)
+    _raw_file(tmp_path / "model.safetensors",
+              {"fp8": {"dtype": "F8_E4M3", "shape": [2, 4], "data_offsets": [0, 8]},
+               "model.layers.0.linear_attn.A_log": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}},
+              bytes(range(8)) + w.tobytes())
+    f = SafetensorsFile(tmp_path / "model.safetensors")
+    assert sorted(f.keys()) == ["fp8", "model.layers.0.linear_attn.A_log"] and f.dtype_name("fp8") == "F8_E4M3"
+    np.testing.assert_array_equal(f.read("model.layers.0.linear_attn.A_log"), w)
+    with pytest.raises(ValueError, match="'fp8' is stored as F8_E4M3, a dtype gdn_jax does not read"):
+        f.read("fp8")
+    # a wrong size is still found for a dtype the reader does not take
+    _raw_file(tmp_path / "short.safetensors", {"fp8": {"dtype": "F8_E4M3", "shape": [2, 4], "data_offsets": [0, 7]}},
+              bytes(8))
+    with pytest.raises(ValueError, match="'fp8' data_offsets 0..7 do not fit shape \\(2, 4\\) F8_E4M3"):
+        SafetensorsFile(tmp_path / "short.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 1}))
+    ck = Checkpoint(tmp_path)
+    np.testing.assert_array_equal(ck.read("model.layers.0.linear_attn.A_log", (4,), "A_log"), w)
+    with pytest.raises(CheckpointError, match="'fp8' is stored as F8_E4M3"):
+        ck.read("fp8", (2, 4), "a test")
+
+
+@pytest.mark.parametrize("interval", [0, -4, 2.5, "4", True])
+def test_bad_full_attention_interval_names_the_field(tmp_path, interval):
+    _raw_file(tmp_path / "model.safetensors", {}, b"")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 4,
+                                                      "full_attention_interval": interval}))
+    with pytest.raises(CheckpointError, match="config.json: field 'full_attention_interval' must be a positive int"):
+        Checkpoint(tmp_path).layer_types
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -211,6 +260,20 @@ def test_layer_types_from_full_attention_interval(next_ckpt, tmp_path):
 
 
 # --- writing --------------------------------------------------------------------------------------
+
+
+def test_save_checkpoint_refuses_layers_it_would_hide(tmp_path):
+    """A layer past num_hidden_layers would be written but left out of layer_types, and then
+    never loaded: refused, as are layer keys that are not indices."""
+    core = GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16, act_dtype=jnp.float32)
+    cfg = GDNLayerConfig(hidden_size=32, core=core)
+    p = GDNLayerParams.random(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="num_hidden_layers=2 leaves out layer 3 of layers: it must be at least 4"):
+        save_checkpoint(tmp_path, cfg, {0: p, 3: p}, num_hidden_layers=2)
+    for layers in ({}, {-1: p}, {"0": p}):
+        with pytest.raises(ValueError, match="layers must map layer indices >= 0 to GDNLayerParams"):
+            save_checkpoint(tmp_path, cfg, layers)
+    assert not (tmp_path / "config.json").exists()
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
