@@ -130,6 +130,8 @@ STATUS_MESSAGES = {
     7: "row {row}: {value} tokens, more than the {aux} this path allows (num_spec + 1)",
     8: "row {row}: slot {value} is named by two of its used columns; each token's state needs a slot of its "
        "own (a slot may be named once per step)",
+    9: "row {row}: dst slot {value} is outside [0, {aux}) and is not PAD_SLOT_ID (-1)",
+    10: "row {row}: src slot {value} is outside [0, {aux}) (its dst is not PAD_SLOT_ID)",
 }
 
 
@@ -256,7 +258,7 @@ def status_copy_slots_jnp(src, dst, N: int):
     live = dst != PAD_SLOT_ID
     bad_dst, i = _first(live & ((dst < 0) | (dst >= N)))
     bad_src, j = _first(live & ((src < 0) | (src >= N)))
-    checks = [(bad_dst, _status(4, rows[i], dst[i], 0)), (bad_src, _status(4, rows[j], src[j], 1))]
+    checks = [(bad_dst, _status(9, rows[i], dst[i], N)), (bad_src, _status(10, rows[j], src[j], N))]
     checks += _slot_checks(dst, live, rows, jnp.zeros_like(rows), N)[1:]
     # src of row r == dst of another row w
     clash = (src[:, None] == dst[None, :]) & live[:, None] & live[None, :] & (rows[:, None] != rows[None, :]) & \

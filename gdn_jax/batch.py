@@ -153,7 +153,7 @@ class BatchMetadata:
 # device-side validation
 # ---------------------------------------------------------------------------------------
 
-# Codes 1..8 are the kernels' (gdn_jax._checks.STATUS_MESSAGES); the step's own start at 16.
+# Codes 1..10 are the kernels' (gdn_jax._checks.STATUS_MESSAGES); the step's own start at 16.
 CODE_ROW_KIND = 16
 CODE_PAD_MISMATCH = 17
 CODE_DECODE_LEN = 18

@@ -17,6 +17,8 @@ enum StatusCode : int32_t {
   kAcceptedRange = 6,   // num_accepted_tokens outside [1, max]           value = acc, aux = max
   kRowTooLong = 7,      // row has more tokens than its path allows       value = tokens, aux = max
   kSlotTwiceInRow = 8,  // one slot in two used columns of one spec row   value = slot, aux = row
+  kCopyDstRange = 9,    // copy_slots: dst outside [0, N) and not -1        value = slot, aux = N
+  kCopySrcRange = 10,   // copy_slots: src of a live row outside [0, N)     value = slot, aux = N
   // Step-level checks (check_step_batch; gdn_jax/batch.py's batch_status on other backends):
   kRowKind = 16,        // row_kind unknown or not taken by the step       value = kind, aux = allowed bits
   kPadMismatch = 17,    // padding row with a slot, or live row without     value = kind, aux = column-0 slot

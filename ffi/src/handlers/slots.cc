@@ -15,8 +15,8 @@ static Status check_copy_slots(const int32_t* src, const int32_t* dst, int64_t S
   std::vector<std::pair<int32_t, int32_t>> written, read;
   for (int64_t i = 0; i < S; ++i) {
     if (dst[i] == -1) continue;
-    if (dst[i] < 0 || dst[i] >= N) return Status{kSlotRange, int32_t(i), dst[i], 0};
-    if (src[i] < 0 || src[i] >= N) return Status{kSlotRange, int32_t(i), src[i], 1};
+    if (dst[i] < 0 || dst[i] >= N) return Status{kCopyDstRange, int32_t(i), dst[i], int32_t(N)};
+    if (src[i] < 0 || src[i] >= N) return Status{kCopySrcRange, int32_t(i), src[i], int32_t(N)};
     written.emplace_back(dst[i], int32_t(i));
     if (src[i] != dst[i]) read.emplace_back(src[i], int32_t(i));
   }
