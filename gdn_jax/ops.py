@@ -63,6 +63,10 @@ _TEMPLATES = "\n".join(C.STATUS_MESSAGES[c] for c in range(1, max(C.STATUS_MESSA
 def report_status(op: str, status, carrier):
     """Raise (eager) or report (traced) ``status`` if it is an error; returns ``carrier``.
 
+    The ops pass their updated cache as ``carrier``: a caller keeps it (it is the next step's
+    input), so XLA cannot drop the report as dead code, as it would with an output the caller
+    does not use.
+
     Traced on the CPU with the native module, ``carrier`` (any result of the op) passes
     through the native ``report`` call, aliased (nothing copied), which prints the message to
     stderr when the status is an error: the call stays on JAX's fast dispatch path. Elsewhere
@@ -333,7 +337,7 @@ def causal_conv1d_fwd(x, *, weight, bias, conv_state, query_start_loc, state_ind
         x, weight=weight, bias=bias, conv_state=conv_state, query_start_loc=query_start_loc,
         state_indices=state_indices, has_initial_state=has_initial_state, activation=activation,
         conv_state_layout=conv_state_layout, impl=impl)
-    y = report_status("causal_conv1d_fwd", status, y)
+    cs = report_status("causal_conv1d_fwd", status, cs)
     return y, cs
 
 
@@ -393,7 +397,7 @@ def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activati
         x, weight=weight, bias=bias, conv_state=conv_state, state_indices=state_indices, activation=activation,
         num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc,
         conv_state_layout=conv_state_layout, impl=impl)
-    y = report_status("causal_conv1d_update", status, y)
+    cs = report_status("causal_conv1d_update", status, cs)
     return y, cs
 
 
@@ -488,7 +492,7 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, ssm_state, query_start_loc, stat
         q, k, v, g=g, beta=beta, ssm_state=ssm_state, query_start_loc=query_start_loc,
         state_indices=state_indices, has_initial_state=has_initial_state, scale=scale,
         use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
-    o = report_status("chunk_gated_delta_rule", status, o)
+    st = report_status("chunk_gated_delta_rule", status, st)
     return o, st
 
 
@@ -543,7 +547,7 @@ def fused_sigmoid_gating_delta_rule_update(q, k, v, *, a, b, A_log, dt_bias, ssm
     o, st, status = fused_sigmoid_gating_delta_rule_update_with_status(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_indices=state_indices,
         scale=scale, use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
-    o = report_status("fused_sigmoid_gating_delta_rule_update", status, o)
+    st = report_status("fused_sigmoid_gating_delta_rule_update", status, st)
     return o, st
 
 
@@ -602,7 +606,7 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, query_start_loc=query_start_loc,
         spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens, scale=scale,
         use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, impl=impl)
-    o = report_status("fused_sigmoid_gating_delta_rule_update_spec", status, o)
+    st = report_status("fused_sigmoid_gating_delta_rule_update_spec", status, st)
     return o, st
 
 

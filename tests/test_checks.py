@@ -231,6 +231,41 @@ def test_prefill_batch_refused_identically(idx, qsl, pattern):
     assert re_search(pattern, _checks.status_message("causal_conv1d_fwd", sts[0]))
 
 
+def test_bad_batch_is_reported_when_the_output_is_dropped(capfd):
+    """The report rides on the op's cache, which a caller keeps: a jitted function that uses
+    only the updated caches (the conv update of a layer whose output it discards, a decode
+    warm-up) still reports a refused batch instead of XLA dropping the report as dead code."""
+    rng = np.random.default_rng(3)
+    T, N = 2, 4
+    cs = jnp.asarray(rng.normal(size=(N, W - 1, D)), jnp.float32)
+    pool = jnp.asarray(rng.normal(size=(N, HV, K, V)), jnp.float32)
+    q, k = (jnp.ones((T, H, K)) for _ in range(2))
+    v = jnp.ones((T, HV, V))
+    bad = jnp.array([1, 7], jnp.int32)
+    calls = {
+        "causal_conv1d_update": lambda idx: gdn_jax.causal_conv1d_update(
+            jnp.ones((T, D)), weight=jnp.ones((D, W)), bias=None, conv_state=cs, state_indices=idx)[1],
+        "causal_conv1d_fwd": lambda idx: gdn_jax.causal_conv1d_fwd(
+            jnp.ones((T, D)), weight=jnp.ones((D, W)), bias=None, conv_state=cs,
+            query_start_loc=jnp.array([0, 1, 2], jnp.int32), state_indices=idx,
+            has_initial_state=jnp.array([True, True]))[1],
+        "chunk_gated_delta_rule": lambda idx: gdn_jax.chunk_gated_delta_rule(
+            q, k, v, g=jnp.zeros((T, HV)), beta=jnp.zeros((T, HV)), ssm_state=pool,
+            query_start_loc=jnp.array([0, 1, 2], jnp.int32), state_indices=idx,
+            has_initial_state=jnp.array([True, True]))[1],
+        "fused_sigmoid_gating_delta_rule_update": lambda idx: gdn_jax.fused_sigmoid_gating_delta_rule_update(
+            q, k, v, **_gates(T), ssm_state=pool, state_indices=idx)[1],
+        "fused_sigmoid_gating_delta_rule_update_spec": lambda idx: gdn_jax.fused_sigmoid_gating_delta_rule_update_spec(
+            q, k, v, **_gates(T), ssm_state=pool, query_start_loc=jnp.array([0, 1, 2], jnp.int32),
+            spec_state_indices=idx[:, None], num_accepted_tokens=jnp.ones((2,), jnp.int32))[1],
+    }
+    for op, call in calls.items():
+        out = jax.jit(call)(bad)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(cs if op.startswith("causal") else pool))
+        expected = _checks.status_message(op, np.array([4, 1, 7, 0]))
+        assert expected in capfd.readouterr().err.splitlines(), op
+
+
 def _jit_conv_update_bad_slot(impl):
     T, N = 2, 4
     x = jnp.ones((T, D), jnp.float32)
