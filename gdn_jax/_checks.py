@@ -7,6 +7,7 @@ mirror ``ffi/src/validate.h``.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,6 +32,19 @@ def check_rank(name: str, x, rank: int, expected: str) -> tuple:
 def check_shape(name: str, x, shape: tuple, expected: str) -> None:
     if _shape(x) != tuple(shape):
         raise ValueError(f"{name} must be {expected} = {tuple(shape)}, got shape {_shape(x)}")
+
+
+_SUB_BYTE = ("int4", "uint4", "int2", "uint2", "int1", "uint1", "float4_e2m1fn")
+
+
+def check_byte_dtype(name: str, dtype) -> None:
+    """Pools are moved and zeroed as whole slots of bytes; XLA packs narrower types (int4 ...)
+    two or more to a byte, which a slot's byte range cannot address."""
+    dt = np.dtype(dtype)
+    bits = getattr(jax.dtypes, "itemsize_bits", None)
+    narrow = bits(dt) < 8 if bits is not None else dt.name in _SUB_BYTE
+    if narrow:
+        raise TypeError(f"{name}: dtype {dt.name} is narrower than a byte; pools take dtypes of 8 bits or more")
 
 
 def check_dtype(name: str, x, allowed, what: str | None = None) -> jnp.dtype:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _native
+from . import _checks, _native
 from ._ffi import native_available
 
 __all__ = ["GDNConfig", "GDNParams", "GDNCache", "zeros_pool"]
@@ -267,6 +267,7 @@ def zeros_pool(shape, dtype, *, huge_pages: bool = True):
     if dims is None or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
         raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     shape, dtype = tuple(int(d) for d in dims), np.dtype(dtype)
+    _checks.check_byte_dtype("zeros_pool", dtype)
     if huge_pages and jax.default_backend() == "cpu" and native_available():
         return _native.zero_pool(shape, dtype)
     return jnp.zeros(shape, dtype)

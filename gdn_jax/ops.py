@@ -618,6 +618,7 @@ def copy_slots_with_status(pool, *, src, dst, impl="auto"):
     """:func:`copy_slots` returning ``(pool, status int32[4])``."""
     if len(getattr(pool, "shape", ())) < 1:
         raise ValueError(f"pool must have a leading slot dimension [N, ...], got shape {getattr(pool, 'shape', ())}")
+    C.check_byte_dtype("pool", pool.dtype)
     (S,) = C.check_rank("src", src, 1, "[S]")
     C.check_index("src", src, (S,), "[S]")
     C.check_index("dst", dst, (S,), "[S]")
@@ -634,7 +635,7 @@ def copy_slots(pool, *, src, dst, impl="auto"):
     """Index-scatter rollback: ``pool[dst[i]] = pool[src[i]]`` for every row with ``dst[i] != -1``.
 
     Args:
-      pool: [N, ...] cache pool of any dtype (e.g. ssm_state [N, HV, K, V]).
+      pool: [N, ...] cache pool of any dtype of 8 bits or more (e.g. ssm_state [N, HV, K, V]).
       src, dst: [S] int32 slots; a row with dst -1 is skipped. Each dst at most once, and no
         slot that one row reads may be written by another (the result would depend on order).
     Returns:

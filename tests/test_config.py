@@ -58,6 +58,27 @@ def test_zeros_pool_refuses_bad_shapes(shape):
         zeros_pool(shape, F32)
 
 
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn"])
+def test_pools_narrower_than_a_byte_are_refused(dtype):
+    """XLA:CPU packs such types two to a byte while the FFI counts a byte per element: a byte-wise
+    fill or slot copy would run past the buffer. Refused in Python and by the native calls."""
+    if not hasattr(jnp, dtype):
+        pytest.skip(f"this jax has no {dtype}")
+    dt = getattr(jnp, dtype)
+    with pytest.raises(TypeError, match=f"zeros_pool: dtype {dtype} is narrower than a byte"):
+        zeros_pool((4, 8), dt)
+    pool = jnp.zeros((4, 8), dt)
+    for impl in ("native", "reference") if NATIVE else ("reference",):
+        with pytest.raises(TypeError, match=f"pool: dtype {dtype} is narrower than a byte"):
+            gdn_jax.ops.copy_slots(pool, src=jnp.array([0], jnp.int32), dst=jnp.array([3], jnp.int32), impl=impl)
+    if NATIVE:  # the handlers' own guard, past the Python checks
+        from gdn_jax import _native
+        with pytest.raises(Exception, match="copy_slots.*narrower than a byte"):
+            jax.block_until_ready(_native.copy_slots(pool, jnp.array([0], jnp.int32), jnp.array([3], jnp.int32)))
+        with pytest.raises(Exception, match="zeros_pool.*narrower than a byte"):
+            jax.block_until_ready(_native.zero_pool((4, 8), np.dtype(dt)))
+
+
 @pytest.mark.skipif(not NATIVE or not os.path.exists("/proc/self/smaps") or not os.path.exists(THP),
                     reason="the hint is the native CPU path's, read back from Linux's smaps")
 def test_zeros_pool_advises_huge_pages():

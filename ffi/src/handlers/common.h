@@ -15,6 +15,16 @@
 namespace gdn {
 namespace ffi = xla::ffi;
 
+// Element types narrower than a byte (S4, U4, S2, U2, S1, U1, F4E2M1FN: the C API's numbers,
+// as older FFI headers lack some names). XLA:CPU packs them, while AnyBuffer::size_bytes()
+// counts a byte per element, so byte-wise handlers (pool zeroing, slot copies) refuse them.
+inline bool sub_byte(ffi::DataType t) {
+  switch (static_cast<int>(t)) {
+    case 21: case 22: case 26: case 27: case 30: case 31: case 32: return true;
+    default: return false;
+  }
+}
+
 inline bool to_dtype(ffi::DataType t, DType* out) {
   if (t == ffi::DataType::F32) { *out = DType::f32; return true; }
   if (t == ffi::DataType::BF16) { *out = DType::bf16; return true; }

@@ -1,4 +1,4 @@
-// gdn_jax_zero_pool: a new zero-filled cache pool (any dtype and shape), its whole 2 MiB
+// gdn_jax_zero_pool: a new zero-filled cache pool (any shape; dtypes of a byte and more), its whole 2 MiB
 // pages advised as transparent huge pages before anything writes them (memory_hints.h).
 //
 // Why: the decode kernel reads a 32-column block of a state head as K rows V elements apart
@@ -18,6 +18,7 @@ namespace gdn {
 namespace {
 
 ffi::Error ZeroPoolImpl(ffi::ThreadPool pool, ffi::Result<ffi::AnyBuffer> out) {
+  if (sub_byte(out->element_type())) return bad("zeros_pool", "a pool dtype narrower than a byte is not supported");
   char* p = static_cast<char*>(out->untyped_data());
   const size_t bytes = out->size_bytes();
   advise_huge_pages(p, bytes);

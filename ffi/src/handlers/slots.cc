@@ -1,5 +1,5 @@
 // gdn_jax_copy_slots: pool[dst[i]] = pool[src[i]] for every row with dst[i] != -1, in place
-// (the pool is aliased to result 0). Any dtype and rank: a slot is one index of the leading
+// (the pool is aliased to result 0). Any dtype of a byte or more, any rank: a slot is one index of the leading
 // dim. Used by commit_accepted (index-scatter rollback into column 0): a jnp scatter into a
 // bf16 pool makes XLA:CPU convert the whole pool.
 #include <algorithm>
@@ -38,6 +38,7 @@ static ffi::Error CopySlotsImpl(ffi::ThreadPool pool, ffi::AnyBuffer state, ffi:
                                 ffi::Result<ffi::Buffer<ffi::S32>> status) {
   const auto d = state.dimensions();
   if (d.size() < 1) return bad("copy_slots", "pool must have a leading slot dimension");
+  if (sub_byte(state.element_type())) return bad("copy_slots", "a pool dtype narrower than a byte is not supported");
   if (state_out->untyped_data() != state.untyped_data()) return bad("copy_slots", "pool is not aliased to its result");
   const int64_t N = d[0], S = int64_t(src.element_count());
   if (dst.element_count() != size_t(S)) return bad("copy_slots", "src and dst must both be [S]");
