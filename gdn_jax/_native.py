@@ -33,13 +33,28 @@ def zero_pool(shape, dtype):
     return call()
 
 
+@jax.custom_batching.custom_vmap
 def gating(a, b, A_log, dt_bias):
-    """(a, b [T, HV]) -> (g, beta [T, HV] f32)."""
+    """(a, b [..., HV]) -> (g, beta [..., HV] f32); the handler takes any leading dims of tokens."""
     require_native()
-    call = jax.ffi.ffi_call(
-        TARGET_PREFIX + "gating", (_sds(a, _f32), _sds(a, _f32)), vmap_method="expand_dims"
-    )
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "gating", (_sds(a, _f32), _sds(a, _f32)))
     return call(a, b, A_log, dt_bias)  # f32 or bf16 each: converted in the handler
+
+
+@gating.def_vmap
+def _gating_vmap(axis_size, in_batched, a, b, A_log, dt_bias):
+    """Under vmap: a and b become leading token dims, the one not mapped broadcast (the
+    elementwise kernel needs both of one shape); per-element A_log / dt_bias: one call each."""
+    def full(x, batched):
+        return x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+
+    a_b, b_b, al_b, dt_b = in_batched
+    if al_b or dt_b:
+        args = tuple(full(x, m) for x, m in zip((a, b, A_log, dt_bias), in_batched))
+        out = jax.lax.map(lambda xs: gating(*xs), args)
+    else:
+        out = gating(full(a, a_b), full(b, b_b), A_log, dt_bias)
+    return out, (True, True)
 
 
 def _conv_params(weight, bias):
