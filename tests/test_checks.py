@@ -335,16 +335,15 @@ def test_empty_batches_write_nothing(impl):
     """The reference's gathers have no empty form: with T = 0 or S = 0 it must not run them, and
     return what the kernels do (zeros, the pools unchanged, status OK)."""
     rng = np.random.default_rng(5)
-    N = 4
-    ssm = jnp.asarray(rng.normal(size=(N, HV, K, V)), jnp.float32)
-    conv = jnp.asarray(rng.normal(size=(N, W - 1 + 1, D)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(D, W)), jnp.float32)
     ops = gdn_jax.ops
-    for T, S in ((0, 0), (0, 2), (3, 0)):
+    for T, S, N in ((0, 0, 4), (0, 2, 4), (3, 0, 4), (3, 2, 0)):   # N = 0: an empty pool, padding rows
+        ssm = jnp.asarray(rng.normal(size=(N, HV, K, V)), jnp.float32)
+        conv = jnp.asarray(rng.normal(size=(N, W - 1 + 1, D)), jnp.float32)
         q, k = (jnp.ones((T, H, K)) for _ in range(2))
         v, x = jnp.ones((T, HV, V)), jnp.ones((T, D))
         qsl = jnp.zeros((S + 1,), jnp.int32)
-        idx = jnp.arange(S, dtype=jnp.int32)
+        idx = jnp.arange(S, dtype=jnp.int32) if N else jnp.full((S,), -1, jnp.int32)
         runs = {
             "conv_fwd": lambda: ops.causal_conv1d_fwd_with_status(
                 x, weight=w, bias=None, conv_state=conv, query_start_loc=qsl, state_indices=idx,
@@ -357,7 +356,8 @@ def test_empty_batches_write_nothing(impl):
                 state_indices=idx, has_initial_state=jnp.ones((S,), bool), impl=impl),
             "spec": lambda: ops.fused_sigmoid_gating_delta_rule_update_spec_with_status(
                 q, k, v, **_gates(T), ssm_state=ssm, query_start_loc=qsl,
-                spec_state_indices=jnp.stack([idx, idx + S], axis=1), num_accepted_tokens=jnp.ones((S,), jnp.int32),
+                spec_state_indices=jnp.stack([idx, idx + S if N else idx], axis=1),
+                num_accepted_tokens=jnp.ones((S,), jnp.int32),
                 impl=impl),
         }
         if T == S:  # decode: one token per row
