@@ -216,7 +216,8 @@ def _slot_checks(slots, used, rows, cols, N: int):
     # Report the later row of the first clash, as the kernel does (it sorts by slot then row);
     # within one row the later column.
     pos = jnp.arange(n)
-    later = same & ((rows[:, None] > rows[None, :]) | ((rows[:, None] == rows[None, :]) & (pos[:, None] > pos[None, :])))
+    later_col = (rows[:, None] == rows[None, :]) & (pos[:, None] > pos[None, :])
+    later = same & ((rows[:, None] > rows[None, :]) | later_col)
     flat = later.reshape(-1)
     bd, j = _first(flat)
     a_, b_ = j // max(n, 1), j % max(n, 1)

@@ -1,5 +1,6 @@
-// gdn_jax_zero_pool: a new zero-filled cache pool (any shape; dtypes of a byte and more), its whole 2 MiB
-// pages advised as transparent huge pages before anything writes them (memory_hints.h).
+// gdn_jax_zero_pool: a new zero-filled cache pool (any shape; dtypes of a byte and more), its
+// whole 2 MiB pages advised as transparent huge pages before anything writes them
+// (memory_hints.h).
 //
 // Why: the decode kernel reads a 32-column block of a state head as K rows V elements apart
 // (kernels/recurrent.h), so one block spans 16 4 KiB pages at K = V = 128 f32: every block

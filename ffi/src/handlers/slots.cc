@@ -1,7 +1,7 @@
 // gdn_jax_copy_slots: pool[dst[i]] = pool[src[i]] for every row with dst[i] != -1, in place
-// (the pool is aliased to result 0). Any dtype of a byte or more, any rank: a slot is one index of the leading
-// dim. Used by commit_accepted (index-scatter rollback into column 0): a jnp scatter into a
-// bf16 pool makes XLA:CPU convert the whole pool.
+// (the pool is aliased to result 0). Any dtype of a byte or more, any rank: a slot is one index
+// of the leading dim. Used by commit_accepted (index-scatter rollback into column 0): a jnp
+// scatter into a bf16 pool makes XLA:CPU convert the whole pool.
 #include <algorithm>
 #include <utility>
 #include <vector>
