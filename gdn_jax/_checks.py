@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 STATE_DTYPES = ACT_DTYPES
@@ -188,7 +189,7 @@ def _status(code, row, value, aux=0):
                       jnp.asarray(aux, jnp.int32)])
 
 
-def _pick(checks):
+def pick_first(checks):
     """First failing check of a list of (failed, status) pairs, else zeros."""
     out = jnp.zeros((4,), jnp.int32)
     for failed, st in reversed(checks):
@@ -203,36 +204,48 @@ def status_qsl_jnp(qsl, T: int):
         bad, r = _first(qsl[1:] < qsl[:-1])
         checks.append((bad, _status(2, r, qsl[r + 1], qsl[r])))
     checks.append((qsl[S] > T, _status(3, S, qsl[S], T)))
-    return _pick(checks)
+    return pick_first(checks)
 
 
-def _slot_checks(slots, used, rows, cols, N: int):
-    """slots/used/rows/cols: flat arrays of the slots a batch names; range and distinctness
-    (two rows, or two used columns of one row, naming one slot)."""
-    bad_range = used & ((slots < 0) | (slots >= N))
-    br, i = _first(bad_range)
+def first_row_failure(checks, S: int):
+    """The kernels check rows in order and report a row's first failing check: ``checks`` is a
+    list of per-row (failed [S], code, value [S], aux [S]) in the kernel's order."""
+    code = jnp.zeros((S,), jnp.int32)
+    value = jnp.zeros((S,), jnp.int32)
+    aux = jnp.zeros((S,), jnp.int32)
+    for bad, c, v, a in reversed(checks):
+        code = jnp.where(bad, jnp.int32(c), code)
+        value = jnp.where(bad, jnp.asarray(v, jnp.int32), value)
+        aux = jnp.where(bad, jnp.asarray(a, jnp.int32), aux)
+    any_row, r = _first(code != 0)
+    return any_row, _status(code[r], r, value[r], aux[r])
+
+
+def slot_clash(slots, rows, used):
+    """A slot named twice among the ``used`` (slot, row) entries (flat arrays), found as the
+    kernels find it (validate.cc): sort by (slot, row), the first equal neighbours; code 5 for
+    two rows, 8 for two columns of one row. O(n log n)."""
     n = slots.shape[0]
-    same = (slots[:, None] == slots[None, :]) & used[:, None] & used[None, :]
-    # Report the later row of the first clash, as the kernel does (it sorts by slot then row);
-    # within one row the later column.
-    pos = jnp.arange(n)
-    later_col = (rows[:, None] == rows[None, :]) & (pos[:, None] > pos[None, :])
-    later = same & ((rows[:, None] > rows[None, :]) | later_col)
-    flat = later.reshape(-1)
-    bd, j = _first(flat)
-    a_, b_ = j // max(n, 1), j % max(n, 1)
-    code = jnp.where(rows[a_] == rows[b_], 8, 5)
-    return [(br, _status(4, rows[i], slots[i], cols[i])), (bd, _status(code, rows[a_], slots[a_], rows[b_]))]
+    if n < 2:  # one entry cannot clash with anything
+        return jnp.bool_(False), jnp.zeros((4,), jnp.int32)
+    big = jnp.int32(np.iinfo(np.int32).max)
+    ss, sr = lax.sort((jnp.where(used, slots, big), rows), num_keys=2)
+    clash, j = _first((ss[1:] == ss[:-1]) & (ss[1:] != big))
+    return clash, _status(jnp.where(sr[j + 1] == sr[j], 8, 5), sr[j + 1], ss[j + 1], sr[j])
 
 
 def status_slots_jnp(qsl, idx, T: int, N: int):
+    """Mirror of check_slots: query_start_loc, each row's slot in [0, N) or -1, no slot twice."""
     S = idx.shape[0]
+    st_qsl = status_qsl_jnp(qsl, T)
     if S == 0:  # no rows: only query_start_loc can be wrong
-        return status_qsl_jnp(qsl, T)
+        return st_qsl
     rows = jnp.arange(S, dtype=jnp.int32)
-    checks = [(status_qsl_jnp(qsl, T)[0] != 0, status_qsl_jnp(qsl, T))]
-    checks += _slot_checks(idx, idx != PAD_SLOT_ID, rows, jnp.zeros_like(rows), N)
-    return _pick(checks)
+    live = idx != PAD_SLOT_ID
+    bad = live & ((idx < 0) | (idx >= N))
+    br, i = _first(bad)
+    dup, st_dup = slot_clash(idx, rows, live)
+    return pick_first([(st_qsl[0] != 0, st_qsl), (br, _status(4, i, idx[i], 0)), (dup, st_dup)])
 
 
 def status_spec_jnp(qsl, idx2d, num_accepted, T: int, N: int, max_tokens: int, max_accepted: int, slot_cols: bool):
@@ -243,42 +256,38 @@ def status_spec_jnp(qsl, idx2d, num_accepted, T: int, N: int, max_tokens: int, m
         return st_qsl
     live = idx2d[:, 0] != PAD_SLOT_ID
     q = qsl[1:] - qsl[:-1]
+    acc = num_accepted
     rows = jnp.arange(S, dtype=jnp.int32)
-    bad_acc, ra = _first(live & ((num_accepted < 1) | (num_accepted > max_accepted)))
-    bad_len, rl = _first(live & (q > max_tokens))
-    # The kernel checks rows in order, acc before length, so report the earliest row.
-    acc_first = bad_acc & (~bad_len | (ra <= rl))
-    checks = [(st_qsl[0] != 0, st_qsl),
-              (acc_first, _status(6, ra, num_accepted[ra], max_accepted)),
-              (bad_len, _status(7, rl, q[rl], max_tokens)),
-              (bad_acc, _status(6, ra, num_accepted[ra], max_accepted))]
-    if slot_cols:
-        ncols = jnp.maximum(q, num_accepted)
-        colid = jnp.arange(C, dtype=jnp.int32)
-        used = live[:, None] & (colid[None, :] < ncols[:, None])
-        checks += _slot_checks(idx2d.reshape(-1), used.reshape(-1), jnp.repeat(rows, C),
-                               jnp.tile(colid, S), N)
-    else:
-        checks += _slot_checks(idx2d[:, 0], live, rows, jnp.zeros_like(rows), N)
-    return _pick(checks)
+    ncols = jnp.maximum(q, acc) if slot_cols else jnp.ones((S,), jnp.int32)
+    colid = jnp.arange(C, dtype=jnp.int32)
+    used = live[:, None] & (colid[None, :] < ncols[:, None])
+    out_of_range = used & ((idx2d < 0) | (idx2d >= N))
+    rng_col = jnp.argmax(out_of_range, axis=1).astype(jnp.int32)
+    rng_val = jnp.take_along_axis(idx2d, rng_col[:, None], axis=1)[:, 0]
+    bad_row, st_row = first_row_failure([
+        (live & ((acc < 1) | (acc > max_accepted)), 6, acc, jnp.full((S,), max_accepted)),
+        (live & (q > max_tokens), 7, q, jnp.full((S,), max_tokens)),
+        (jnp.any(out_of_range, axis=1), 4, rng_val, rng_col)], S)
+    dup, st_dup = slot_clash(idx2d.reshape(-1), jnp.repeat(rows, C), used.reshape(-1))
+    return pick_first([(st_qsl[0] != 0, st_qsl), (bad_row, st_row), (dup, st_dup)])
 
 
 def status_copy_slots_jnp(src, dst, N: int):
-    """Mirror of the copy_slots handler's checks: slots in range, each dst once, and no slot
-    that one row reads while another writes it."""
+    """Mirror of the copy_slots handler's checks: per row dst then src in range, each dst once,
+    and no slot that one row reads while another writes it."""
     S = dst.shape[0]
     if S == 0:
         return jnp.zeros((4,), jnp.int32)
     rows = jnp.arange(S, dtype=jnp.int32)
     live = dst != PAD_SLOT_ID
-    bad_dst, i = _first(live & ((dst < 0) | (dst >= N)))
-    bad_src, j = _first(live & ((src < 0) | (src >= N)))
-    checks = [(bad_dst, _status(9, rows[i], dst[i], N)), (bad_src, _status(10, rows[j], src[j], N))]
-    checks += _slot_checks(dst, live, rows, jnp.zeros_like(rows), N)[1:]
+    n_ = jnp.full((S,), N)
+    bad_row, st_row = first_row_failure([(live & ((dst < 0) | (dst >= N)), 9, dst, n_),
+                                         (live & ((src < 0) | (src >= N)), 10, src, n_)], S)
+    dup, st_dup = slot_clash(dst, rows, live)
     # src of row r == dst of another row w
     clash = (src[:, None] == dst[None, :]) & live[:, None] & live[None, :] & (rows[:, None] != rows[None, :]) & \
         (src != dst)[:, None]
     bc, k = _first(clash.reshape(-1))
-    r, w = k // max(S, 1), k % max(S, 1)
-    checks.append((bc, _status(5, jnp.maximum(r, w), src[r], jnp.minimum(r, w))))
-    return _pick(checks)
+    r, w = k // S, k % S
+    st_rw = _status(5, jnp.maximum(r, w), src[r], jnp.minimum(r, w))
+    return pick_first([(bad_row, st_row), (dup, st_dup), (bc, st_rw)])

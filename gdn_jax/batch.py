@@ -32,7 +32,6 @@ from typing import Any, Iterable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _checks, _native, ops
 
@@ -192,11 +191,6 @@ def status_message(op: str, status) -> Optional[str]:
     return f"gdn_jax.{op}: invalid batch, nothing was written: {detail}"
 
 
-def _status(code, row, value, aux):
-    return jnp.stack([jnp.asarray(code, jnp.int32), jnp.asarray(row, jnp.int32),
-                      jnp.asarray(value, jnp.int32), jnp.asarray(aux, jnp.int32)])
-
-
 def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds: Sequence[int],
                  impl: str = "auto"):
     """Device-side validation of a whole step; returns status ``int32[4]`` (0 = OK).
@@ -256,31 +250,11 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
         (len_bad_spec, 7, q, jnp.full((S,), C, jnp.int32)),
         (rng_bad, 4, rng_val, rng_col),
     ]
-    code = jnp.zeros((S,), jnp.int32)
-    value = jnp.zeros((S,), jnp.int32)
-    aux = jnp.zeros((S,), jnp.int32)
-    for bad, c, v, a in reversed(checks):
-        code = jnp.where(bad, c, code)
-        value = jnp.where(bad, v, value)
-        aux = jnp.where(bad, a, aux)
-    any_row = jnp.any(code != 0)
-    r = jnp.argmax(code != 0).astype(jnp.int32)
-    st_row = _status(code[r], r, value[r], aux[r])
-
-    # One slot named by two rows: sort (slot, row) pairs, compare neighbours; O(S log S).
-    big = jnp.int32(np.iinfo(np.int32).max)
-    flat_slot = jnp.where(used & ~out_of_range, idx, big).reshape(-1)
+    any_row, st_row = _checks.first_row_failure(checks, S)
+    # One slot named twice (two rows, or two used columns of one): sort, compare neighbours.
     flat_row = jnp.broadcast_to(rows[:, None], (S, C)).reshape(-1)
-    out = jnp.zeros((4,), jnp.int32)
-    if S * C > 1:  # a single (row, column) cannot clash with anything
-        ss, sr = lax.sort((flat_slot, flat_row), num_keys=2)
-        clash = (ss[1:] == ss[:-1]) & (ss[1:] != big)  # two rows, or two used columns of one
-        j = jnp.argmax(clash)
-        st_dup = _status(jnp.where(sr[j + 1] == sr[j], 8, 5), sr[j + 1], ss[j + 1], sr[j])
-        out = jnp.where(jnp.any(clash), st_dup, out)
-    out = jnp.where(any_row, st_row, out)
-    out = jnp.where(st_qsl[0] != 0, st_qsl, out)
-    return out
+    clash, st_dup = _checks.slot_clash(idx.reshape(-1), flat_row, (used & ~out_of_range).reshape(-1))
+    return _checks.pick_first([(st_qsl[0] != 0, st_qsl), (any_row, st_row), (clash, st_dup)])
 
 
 # ---------------------------------------------------------------------------------------

@@ -369,3 +369,49 @@ def test_empty_batches_write_nothing(impl):
             assert np.asarray(status).tolist() == [0, 0, 0, 0], (name, T, S)
             assert out.shape[0] == T and not np.any(np.asarray(out)), (name, T, S)
             np.testing.assert_array_equal(np.asarray(pool), np.asarray(before), err_msg=f"{name} T={T} S={S}")
+
+
+def test_native_and_reference_statuses_agree_on_random_corruptions():
+    """Random edits of valid batches (several at once: slots out of range or repeated, bad
+    accepted counts and lengths, non-monotone query_start_loc) for the spec, conv update,
+    prefill and copy_slots checks: the kernels and the jnp mirrors report the same (code, row,
+    value, aux), i.e. the same first failure of the same row."""
+    rng = np.random.default_rng(11)
+    T, N, S, C = 10, 12, 3, 3
+    q, k = (jnp.ones((T, H, K)) for _ in range(2))
+    v, x = jnp.ones((T, HV, V)), jnp.ones((T, D))
+    pool = jnp.zeros((N, HV, K, V))
+    conv = jnp.zeros((N, W - 1 + C - 1, D))
+    w = jnp.ones((D, W))
+    ops = gdn_jax.ops
+    vals = np.array([-2, -1, 0, 1, 2, 3, 5, 7, 11, 12])
+    codes = set()
+    for trial in range(150):
+        qsl = np.array([0, 2, 3, 5], np.int32)
+        idx = rng.permutation(N)[:S * C].reshape(S, C).astype(np.int32)
+        acc = np.array([1, 2, 3], np.int32)
+        for _ in range(int(rng.integers(1, 4))):
+            which = int(rng.integers(3))
+            if which == 0:
+                idx[rng.integers(S), rng.integers(C)] = rng.choice(vals)
+            elif which == 1:
+                acc[rng.integers(S)] = rng.choice(vals)
+            else:
+                qsl[1 + rng.integers(S)] = rng.integers(-1, T + 2)
+        args = dict(query_start_loc=jnp.asarray(qsl), num_accepted_tokens=jnp.asarray(acc))
+        got = {}
+        for impl in ("native", "reference"):
+            st = [ops.fused_sigmoid_gating_delta_rule_update_spec_with_status(
+                      q, k, v, **_gates(T), ssm_state=pool, spec_state_indices=jnp.asarray(idx), impl=impl, **args)[2],
+                  ops.causal_conv1d_update_with_status(
+                      x, weight=w, bias=None, conv_state=conv, state_indices=jnp.asarray(idx[:, 0]), impl=impl,
+                      **args)[2],
+                  ops.causal_conv1d_fwd_with_status(
+                      x, weight=w, bias=None, conv_state=conv, query_start_loc=jnp.asarray(qsl),
+                      state_indices=jnp.asarray(idx[:, 0]), has_initial_state=jnp.ones((S,), bool), impl=impl)[2],
+                  ops.copy_slots_with_status(pool, src=jnp.asarray(idx[:, 1]), dst=jnp.asarray(idx[:, 0]),
+                                             impl=impl)[1]]
+            got[impl] = [np.asarray(s).tolist() for s in st]
+        assert got["native"] == got["reference"], (trial, qsl, idx, acc, got)
+        codes.update(s[0] for s in got["native"])
+    assert {0, 2, 4, 5, 6, 7, 9, 10} <= codes, codes
