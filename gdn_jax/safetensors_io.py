@@ -69,9 +69,9 @@ class SafetensorsFile:
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{self.path}: header entry {key!r} is malformed: {e!r}") from None
             itemsize = DTYPES[name].itemsize if name in DTYPES else _OTHER_ITEMSIZE.get(name)
-            n = int(np.prod(shape, dtype=np.int64))
+            count = int(np.prod(shape, dtype=np.int64))
             if (min(shape, default=0) < 0 or not 0 <= begin <= end <= size - self._data_start
-                    or (itemsize is not None and end - begin != n * itemsize)):
+                    or (itemsize is not None and end - begin != count * itemsize)):
                 raise ValueError(f"{self.path}: {key!r} data_offsets {begin}..{end} do not fit shape {shape} "
                                  f"{name} in a file of {size} bytes")
             self._entries[key] = (name, shape, begin)
