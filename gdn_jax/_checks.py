@@ -221,15 +221,28 @@ def first_row_failure(checks, S: int):
     return any_row, _status(code[r], r, value[r], aux[r])
 
 
-def slot_clash(slots, rows, used):
-    """A slot named twice among the ``used`` (slot, row) entries (flat arrays), found as the
-    kernels find it (validate.cc): sort by (slot, row), the first equal neighbours; code 5 for
-    two rows, 8 for two columns of one row. O(n log n)."""
-    n = slots.shape[0]
-    if n < 2:  # one entry cannot clash with anything
+def used_slots(idx2d, live, ncols, N: int):
+    """The entries a row uses (columns [0, ncols) of its row of ``idx2d [S, C]``, live rows) and
+    the per-row range check of the kernels: (failed, 4, first bad slot, its column). Returns
+    (used [S, C], out_of_range [S, C], check)."""
+    colid = jnp.arange(idx2d.shape[1], dtype=jnp.int32)
+    used = live[:, None] & (colid[None, :] < ncols[:, None])
+    out_of_range = used & ((idx2d < 0) | (idx2d >= N))
+    col = jnp.argmax(out_of_range, axis=1).astype(jnp.int32)
+    val = jnp.take_along_axis(idx2d, col[:, None], axis=1)[:, 0]
+    return used, out_of_range, (jnp.any(out_of_range, axis=1), 4, val, col)
+
+
+def slot_clash(idx2d, used):
+    """A slot named twice among the ``used`` entries of ``idx2d [S, C]``, found as the kernels
+    find it (validate.cc): sort by (slot, row), the first equal neighbours; code 5 for two rows,
+    8 for two columns of one row. O(n log n)."""
+    S, C = idx2d.shape
+    if S * C < 2:  # one entry cannot clash with anything
         return jnp.bool_(False), jnp.zeros((4,), jnp.int32)
     big = jnp.int32(np.iinfo(np.int32).max)
-    ss, sr = lax.sort((jnp.where(used, slots, big), rows), num_keys=2)
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, C)).reshape(-1)
+    ss, sr = lax.sort((jnp.where(used, idx2d, big).reshape(-1), rows), num_keys=2)
     clash, j = _first((ss[1:] == ss[:-1]) & (ss[1:] != big))
     return clash, _status(jnp.where(sr[j + 1] == sr[j], 8, 5), sr[j + 1], ss[j + 1], sr[j])
 
@@ -240,35 +253,29 @@ def status_slots_jnp(qsl, idx, T: int, N: int):
     st_qsl = status_qsl_jnp(qsl, T)
     if S == 0:  # no rows: only query_start_loc can be wrong
         return st_qsl
-    rows = jnp.arange(S, dtype=jnp.int32)
     live = idx != PAD_SLOT_ID
     bad = live & ((idx < 0) | (idx >= N))
     br, i = _first(bad)
-    dup, st_dup = slot_clash(idx, rows, live)
+    dup, st_dup = slot_clash(idx[:, None], live[:, None])
     return pick_first([(st_qsl[0] != 0, st_qsl), (br, _status(4, i, idx[i], 0)), (dup, st_dup)])
 
 
 def status_spec_jnp(qsl, idx2d, num_accepted, T: int, N: int, max_tokens: int, max_accepted: int, slot_cols: bool):
     """Mirror of check_spec_rows: slot_cols=False checks only column 0 (conv buffer)."""
-    S, C = idx2d.shape
+    S = idx2d.shape[0]
     st_qsl = status_qsl_jnp(qsl, T)
     if S == 0:
         return st_qsl
     live = idx2d[:, 0] != PAD_SLOT_ID
     q = qsl[1:] - qsl[:-1]
     acc = num_accepted
-    rows = jnp.arange(S, dtype=jnp.int32)
     ncols = jnp.maximum(q, acc) if slot_cols else jnp.ones((S,), jnp.int32)
-    colid = jnp.arange(C, dtype=jnp.int32)
-    used = live[:, None] & (colid[None, :] < ncols[:, None])
-    out_of_range = used & ((idx2d < 0) | (idx2d >= N))
-    rng_col = jnp.argmax(out_of_range, axis=1).astype(jnp.int32)
-    rng_val = jnp.take_along_axis(idx2d, rng_col[:, None], axis=1)[:, 0]
+    used, _, range_check = used_slots(idx2d, live, ncols, N)
     bad_row, st_row = first_row_failure([
         (live & ((acc < 1) | (acc > max_accepted)), 6, acc, jnp.full((S,), max_accepted)),
         (live & (q > max_tokens), 7, q, jnp.full((S,), max_tokens)),
-        (jnp.any(out_of_range, axis=1), 4, rng_val, rng_col)], S)
-    dup, st_dup = slot_clash(idx2d.reshape(-1), jnp.repeat(rows, C), used.reshape(-1))
+        range_check], S)
+    dup, st_dup = slot_clash(idx2d, used)
     return pick_first([(st_qsl[0] != 0, st_qsl), (bad_row, st_row), (dup, st_dup)])
 
 
@@ -283,7 +290,7 @@ def status_copy_slots_jnp(src, dst, N: int):
     n_ = jnp.full((S,), N)
     bad_row, st_row = first_row_failure([(live & ((dst < 0) | (dst >= N)), 9, dst, n_),
                                          (live & ((src < 0) | (src >= N)), 10, src, n_)], S)
-    dup, st_dup = slot_clash(dst, rows, live)
+    dup, st_dup = slot_clash(dst[:, None], live[:, None])
     # src of row r == dst of another row w
     clash = (src[:, None] == dst[None, :]) & live[:, None] & live[None, :] & (rows[:, None] != rows[None, :]) & \
         (src != dst)[:, None]

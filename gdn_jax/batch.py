@@ -218,7 +218,6 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
     st_qsl = _checks.status_qsl_jnp(qsl, T)
     if S == 0:  # no rows: only query_start_loc can be wrong
         return st_qsl
-    rows = jnp.arange(S, dtype=jnp.int32)
     q = qsl[1:] - qsl[:-1]
     col0 = idx[:, 0]
     allowed_bits = _kinds_mask_bits(kinds)
@@ -233,12 +232,7 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
     acc_bad_other = live & ~is_spec & (acc != 1)
     len_bad_spec = is_spec & (q > C)
     ncols = jnp.where(is_spec, jnp.maximum(jnp.maximum(q, acc), 1), 1)
-    colid = jnp.arange(C, dtype=jnp.int32)
-    used = live[:, None] & (colid[None, :] < ncols[:, None])
-    out_of_range = used & ((idx < 0) | (idx >= N))
-    rng_bad = jnp.any(out_of_range, axis=1)
-    rng_col = jnp.argmax(out_of_range, axis=1).astype(jnp.int32)
-    rng_val = jnp.take_along_axis(idx, rng_col[:, None], axis=1)[:, 0]
+    used, out_of_range, range_check = _checks.used_slots(idx, live, ncols, N)
 
     # Per row: the first failing check, in this order.
     checks = [
@@ -248,12 +242,11 @@ def batch_status(batch: BatchMetadata, *, num_tokens: int, num_slots: int, kinds
         (acc_bad_other, CODE_ACC_NOT_SPEC, acc, kind),
         (dec_len_bad, CODE_DECODE_LEN, q, jnp.zeros((S,), jnp.int32)),
         (len_bad_spec, 7, q, jnp.full((S,), C, jnp.int32)),
-        (rng_bad, 4, rng_val, rng_col),
+        range_check,
     ]
     any_row, st_row = _checks.first_row_failure(checks, S)
     # One slot named twice (two rows, or two used columns of one): sort, compare neighbours.
-    flat_row = jnp.broadcast_to(rows[:, None], (S, C)).reshape(-1)
-    clash, st_dup = _checks.slot_clash(idx.reshape(-1), flat_row, (used & ~out_of_range).reshape(-1))
+    clash, st_dup = _checks.slot_clash(idx, used & ~out_of_range)
     return _checks.pick_first([(st_qsl[0] != 0, st_qsl), (any_row, st_row), (clash, st_dup)])
 
 

@@ -661,9 +661,9 @@ def test_bad_batches_raise_and_keep_the_cache(impl_isa):
         eng.step(reqs, _inputs(CFG, rng, reqs), check=True)
 
 
-def _empty_batch(T_, S_):
-    """S_ rows and T_ tokens, none of them in a row: rows 0 and 1 (when S_ > 1) are a prefill
-    and a spec row (acc 2) of zero tokens, the rest padding."""
+def _empty_batch(S_):
+    """S_ rows owning no tokens: rows 0 and 1 (when S_ > 1) are a prefill and a spec row
+    (acc 2) of zero tokens, the rest padding."""
     m = BatchMetadata.empty(S_, CFG.num_spec)
     if S_ > 1:
         m.row_kind[:2] = [ROW_PREFILL, ROW_SPEC]
@@ -684,7 +684,7 @@ def test_empty_batches_write_nothing(impl_isa, T_, S_):
         eng = Engine(CFG, impl, cache=garbage_cache(CFG, rng))
         x, b, a = (jnp.asarray(v) for v in random_inputs(CFG, T_, rng))
         for path in ("gdn_attention_core", "prefill", "decode", "spec_decode"):
-            m = _empty_batch(T_, S_) if path == "gdn_attention_core" else BatchMetadata.empty(S_, CFG.num_spec)
+            m = _empty_batch(S_) if path == "gdn_attention_core" else BatchMetadata.empty(S_, CFG.num_spec)
             pre = cache_bits(eng.cache)
             out, eng.cache, st = getattr(eng.attn, path + "_with_status")(x, b, a, eng.params, eng.cache, m)
             assert np.asarray(st).tolist() == [0, 0, 0, 0], path
