@@ -129,13 +129,9 @@ def _compiled_once(fn):
     return call
 
 
-def _guarded(status, run, skip, *batch_arrays):
-    """Reference path: run() only when status is OK, else skip() (nothing written). A batch
-    of no tokens, no rows or an empty pool (a leading dim of 0 in ``batch_arrays``; with no
-    slots only padding rows pass the checks) writes nothing either, as the kernels do: skip()
-    without tracing run(), whose gathers have no empty form."""
-    if any(a.shape[0] == 0 for a in batch_arrays):
-        return skip()
+def _guarded(status, run, skip):
+    """Reference path: run() only when status is OK, else skip() (nothing written). Empty
+    batches (no tokens, no rows, an empty pool) are the reference's own early return."""
     return jax.lax.cond(status[0] == 0, run, skip)
 
 
@@ -313,7 +309,7 @@ def causal_conv1d_fwd_with_status(x, *, weight, bias, conv_state, query_start_lo
                                      has_initial_state=has_initial_state, activation=activation,
                                      conv_state_layout=conv_state_layout)
 
-    y, cs = _guarded(status, run, lambda: (jnp.zeros_like(x), conv_state), x, state_indices, conv_state)
+    y, cs = _guarded(status, run, lambda: (jnp.zeros_like(x), conv_state))
     return y, cs, status
 
 
@@ -374,7 +370,7 @@ def causal_conv1d_update_with_status(x, *, weight, bias, conv_state, state_indic
                                         num_accepted_tokens=acc, query_start_loc=qsl,
                                         conv_state_layout=conv_state_layout)
 
-    y, cs = _guarded(status, run, lambda: (jnp.zeros_like(x), conv_state), x, state_indices, conv_state)
+    y, cs = _guarded(status, run, lambda: (jnp.zeros_like(x), conv_state))
     return y, cs, status
 
 
@@ -470,7 +466,7 @@ def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_sta
                                           has_initial_state=has_initial_state, scale=sc,
                                           use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps)
 
-    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state), v, state_indices, ssm_state)
+    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state))
     return o, st, status
 
 
@@ -530,7 +526,7 @@ def fused_sigmoid_gating_delta_rule_update_with_status(q, k, v, *, a, b, A_log, 
             q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state, state_indices=state_indices,
             scale=sc, use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps)
 
-    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state), v, state_indices, ssm_state)
+    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state))
     return o, st, status
 
 
@@ -582,7 +578,7 @@ def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_
             spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens, scale=sc,
             use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps)
 
-    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state), v, spec_state_indices, ssm_state)
+    o, st = _guarded(status, run, lambda: (jnp.zeros_like(v), ssm_state))
     return o, st, status
 
 

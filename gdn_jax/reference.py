@@ -13,6 +13,7 @@ Conventions shared by every function:
   which JAX would wrap to the last slot).
 * No data validation happens here (indices in range, monotone ``query_start_loc``, no
   slot named twice): the caller (``ops.py``) owns that. Shapes are not checked either.
+* A call with no tokens, no rows or an empty pool writes nothing and outputs zeros.
 
 Public functions: ``fused_gdn_gating``, ``causal_conv1d_fwd``, ``causal_conv1d_update``,
 ``chunk_gated_delta_rule``, ``fused_sigmoid_gating_delta_rule_update``,
@@ -61,6 +62,13 @@ def _drop_index(idx, valid, size):
 def _safe_index(idx, valid):
     """Index for a gather whose result is masked anyway: invalid entries read slot 0."""
     return jnp.where(valid, idx, 0).astype(jnp.int32)
+
+
+def _writes_nothing(*arrays) -> bool:
+    """True when a leading dim is 0: no tokens, no rows or an empty pool (then every row is
+    padding). Such a call writes nothing and outputs zeros, as the kernels do; the callers
+    return early because the gathers below have no empty form."""
+    return any(a.shape[0] == 0 for a in arrays)
 
 
 def _token_rows(query_start_loc, T):
@@ -213,6 +221,8 @@ def causal_conv1d_fwd(x, *, weight, bias, conv_state, query_start_loc, state_ind
     W = weight.shape[1]
     N = conv_state.shape[0]
     S = state_indices.shape[0]
+    if _writes_nothing(x, state_indices, conv_state):
+        return jnp.zeros_like(x), conv_state
     qsl = query_start_loc.astype(jnp.int32)
     slots = state_indices.astype(jnp.int32)
     has_init = has_initial_state.astype(bool)
@@ -285,6 +295,8 @@ def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activati
     W = weight.shape[1]
     if W < 2:
         raise ValueError(f"causal_conv1d_update needs conv width >= 2, got {W}")
+    if _writes_nothing(x, state_indices, conv_state):
+        return jnp.zeros_like(x), conv_state
     N = conv_state.shape[0]
     L = conv_state.shape[1] if conv_state_layout == "SD" else conv_state.shape[2]
     B = state_indices.shape[0]
@@ -412,6 +424,8 @@ def chunk_gated_delta_rule(q, k, v, *, g, beta, ssm_state, query_start_loc, stat
     N = ssm_state.shape[0]
     S = state_indices.shape[0]
     C = CHUNK_SIZE
+    if _writes_nothing(v, state_indices, ssm_state):
+        return jnp.zeros(v.shape, q.dtype), ssm_state
     NC = max((T + S * (C - 1)) // C, 1)  # >= sum_s ceil(n_s / C)
     qsl = query_start_loc.astype(jnp.int32)
     slots = state_indices.astype(jnp.int32)
@@ -496,6 +510,8 @@ def fused_sigmoid_gating_delta_rule_update(q, k, v, *, a, b, A_log, dt_bias, ssm
     """
     B, HV, V = v.shape
     N = ssm_state.shape[0]
+    if _writes_nothing(v, state_indices, ssm_state):
+        return jnp.zeros(v.shape, q.dtype), ssm_state
     g, beta = fused_gdn_gating(a, b, A_log=A_log, dt_bias=dt_bias)
     q_hat, k_hat = _prep_qk(q, k, HV, scale, use_qk_l2norm, l2norm_eps)
     slots = state_indices.astype(jnp.int32)
@@ -535,6 +551,8 @@ def fused_sigmoid_gating_delta_rule_update_spec(q, k, v, *, a, b, A_log, dt_bias
     T, HV, V = v.shape
     N = ssm_state.shape[0]
     S, M = spec_state_indices.shape
+    if _writes_nothing(v, spec_state_indices, ssm_state):
+        return jnp.zeros(v.shape, q.dtype), ssm_state
     qsl = query_start_loc.astype(jnp.int32)
     idx = spec_state_indices.astype(jnp.int32)
     acc = num_accepted_tokens.astype(jnp.int32)
@@ -593,6 +611,8 @@ def gdn_token_scan(q, k, v, *, g, beta, ssm_state, read_slot, write_slot, reset,
       rounded after every token, the literal memory model). Build the plans with
       ``scan_plan_prefill`` / ``scan_plan_decode`` / ``scan_plan_spec``.
     """
+    if _writes_nothing(v, ssm_state):
+        return jnp.zeros(v.shape, q.dtype), ssm_state
     HV = v.shape[1]
     q_hat, k_hat = _prep_qk(q, k, HV, scale, use_qk_l2norm, l2norm_eps)
     v32 = v.astype(_F32)

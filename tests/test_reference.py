@@ -738,3 +738,50 @@ def test_bf16_pool_spec_carries_f32():
     expect = np.asarray(p32.astype(jnp.bfloat16).astype(jnp.float32))
     got = np.asarray(p16.astype(jnp.float32))
     assert np.mean(got != expect) <= 1e-3
+
+
+# --- empty batches ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T_,S_,N_", [(0, 0, 3), (0, 2, 3), (3, 0, 3), (2, 2, 0), (0, 0, 0)])
+def test_empty_batches_called_directly(T_, S_, N_):
+    """The reference called directly (not through gdn_jax.ops) on a batch of no tokens, no rows or
+    an empty pool (every row padding): zero outputs, pools bit-identical, as the kernels do. Its
+    gathers have no empty form, so this once failed at trace time."""
+    Hh, HVh, Kh, Vh, Dh, Wh = 1, 2, 4, 4, 8, 4
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(T_, Dh)), F32)
+    w = jnp.asarray(rng.normal(size=(Dh, Wh)), F32)
+    conv = jnp.asarray(rng.normal(size=(N_, Wh, Dh)), F32)
+    ssm = jnp.asarray(rng.normal(size=(N_, HVh, Kh, Vh)), F32)
+    q = jnp.asarray(rng.normal(size=(T_, Hh, Kh)), F32)
+    v = jnp.asarray(rng.normal(size=(T_, HVh, Vh)), F32)
+    gt = jnp.asarray(rng.normal(size=(T_, HVh)), F32)
+    qsl = jnp.full((S_ + 1,), 0, jnp.int32).at[-1].set(T_ if S_ else 0)
+    idx = jnp.arange(S_, dtype=jnp.int32) if N_ else jnp.full((S_,), -1, jnp.int32)
+    gates = dict(A_log=jnp.zeros((HVh,)), dt_bias=jnp.zeros((HVh,)))
+    calls = {
+        "conv_fwd": (conv, lambda: R.causal_conv1d_fwd(
+            x, weight=w, bias=None, conv_state=conv, query_start_loc=qsl, state_indices=idx,
+            has_initial_state=jnp.ones((S_,), bool))),
+        "conv_update": (conv, lambda: R.causal_conv1d_update(
+            x, weight=w, bias=None, conv_state=conv, state_indices=idx, query_start_loc=qsl,
+            num_accepted_tokens=jnp.ones((S_,), jnp.int32))),
+        "chunk": (ssm, lambda: R.chunk_gated_delta_rule(
+            q, q, v, g=-jnp.abs(gt), beta=jax.nn.sigmoid(gt), ssm_state=ssm, query_start_loc=qsl,
+            state_indices=idx, has_initial_state=jnp.ones((S_,), bool))),
+        "spec": (ssm, lambda: R.fused_sigmoid_gating_delta_rule_update_spec(
+            q, q, v, a=gt, b=gt, **gates, ssm_state=ssm, query_start_loc=qsl,
+            spec_state_indices=jnp.stack([idx, idx], axis=1), num_accepted_tokens=jnp.ones((S_,), jnp.int32))),
+        "token_scan": (ssm, lambda: R.gdn_token_scan(
+            q, q, v, g=-jnp.abs(gt), beta=jax.nn.sigmoid(gt), ssm_state=ssm,
+            read_slot=jnp.full((T_,), -1, jnp.int32), write_slot=jnp.full((T_,), -1, jnp.int32),
+            reset=jnp.zeros((T_,), bool))),
+    }
+    if T_ == S_:  # decode: one token per row
+        calls["decode"] = (ssm, lambda: R.fused_sigmoid_gating_delta_rule_update(
+            q, q, v, a=gt, b=gt, **gates, ssm_state=ssm, state_indices=idx))
+    for name, (before, call) in calls.items():
+        out, pool = call()
+        assert out.shape[0] == T_ and not np.any(np.asarray(out)), name
+        np.testing.assert_array_equal(np.asarray(pool), np.asarray(before), err_msg=name)
