@@ -4,13 +4,52 @@ call on XLA's intra-op pool through the same fork/join as the kernels (`gdn_jax_
 ffi/src/handlers/probe.cc); the f32 FMA peak and the bf16 dot-product peak (probe.h)."""
 from __future__ import annotations
 
+import glob
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-LLC_BYTES = 32 << 20
+
+def _cache_size(text):
+    """Bytes of a sysfs cache `size` ("32768K", "2M", "512")."""
+    text = text.strip()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int(text.rstrip("KkMmGg")) * mult
+
+
+def llc_bytes(default=32 << 20, sysfs="/sys/devices/system/cpu"):
+    """Bytes of last-level cache that this process's threads can fill: for each CPU it may run on,
+    the highest data or unified cache level in sysfs, summed over the distinct instances (an L3
+    per CCX on AMD, per socket on Intel). `default` where sysfs does not say."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    instances = {}
+    for cpu in cpus:
+        top = None
+        for d in glob.glob(f"{sysfs}/cpu{cpu}/cache/index*"):
+            try:
+                with open(f"{d}/type") as f:
+                    if f.read().strip() == "Instruction":
+                        continue
+                with open(f"{d}/level") as f:
+                    level = int(f.read())
+                with open(f"{d}/size") as f:
+                    size = _cache_size(f.read())
+                with open(f"{d}/shared_cpu_list") as f:
+                    shared = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            if top is None or level > top[0]:
+                top = (level, shared, size)
+        if top:
+            instances[top[:2]] = top[2]
+    return sum(instances.values()) or default
+
+
+# The cold-state pools are 4x and the bandwidth probe's buffer 8x this (issue #20).
+LLC_BYTES = llc_bytes()
 PIECE = 16384  # floats per work item of the probe (64 KiB, one f32 state head)
 
 # mode of the probe, and the bytes a call moves per byte of its buffer (read + written).

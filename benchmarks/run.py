@@ -6,9 +6,11 @@ activations), everything jitted with the caches donated, as a user calls it:
 * layer: the serving steps (conv + gating + recurrence: GDNAttention.decode / spec_decode /
   prefill) against the fastest pure-JAX version we know (../shared/bench/jnp_baseline, same
   cases, cold state pools larger than the LLC) and against vLLM's GDN forward and core kernel;
-* roofline: this machine's copy bandwidth, f32 FMA peak and bf16 dot-product peak, measured here;
-  decode/spec rows report state GB/s and its fraction of the copy bandwidth, prefill rows GFLOP/s
-  (the chunked algorithm's flops) and the fraction of the bf16 dot-product peak.
+* roofline: this machine's read-modify-write, read and copy bandwidths (roofline.py: a native probe
+  over 8x the LLC), f32 FMA peak and bf16 dot-product peak, measured here; decode/spec rows report
+  state GB/s and its fraction of the read-modify-write bandwidth, prefill rows GFLOP/s (the chunked
+  algorithm's flops) and the fraction of the bf16 dot-product peak (the prefill target: of the f32
+  FMA peak, report.targets).
 
     python benchmarks/run.py                                  # everything, writes benchmarks/RESULTS.md
     python benchmarks/run.py --vllm-python VENV/bin/python    # ... with vLLM's kernels (or GDN_VLLM_PYTHON)
@@ -945,6 +947,8 @@ def main(argv=None):
     print(f"# gdn_jax benchmarks  isa={env['isa']}  cpus={env['logical_cpus']}  jax={env['jax']}  "
           f"{env['cpu_model']}", flush=True)
 
+    # Our kernels run on XLA's pool, one thread per CPU this process may use: vLLM's harness gets as many.
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # vLLM first: its subprocess never runs while we time.
     vllm = dict(status="not requested")
     if args.vllm_json:
@@ -957,6 +961,7 @@ def main(argv=None):
                      f"copy that file elsewhere first")
         print(f"# vLLM: running {harness} with {args.vllm_python}", flush=True)
         run_info = vc.run_harness(args.vllm_python, harness, out_dir, quick=args.quick or args.vllm_quick,
+                                  threads=threads,
                                   wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout,
                                   sections=args.vllm_sections, retry_wait=args.vllm_retry_wait, out_name=out_name)
         print(f"# vLLM: {run_info['status']}" + (f" ({run_info.get('error')})" if run_info.get("error") else ""),
@@ -970,8 +975,9 @@ def main(argv=None):
             vllm["harness_error"] = run_info.get("error")
 
     t_run = _RUN_T0[0] = time.perf_counter()  # our timings (vLLM's harness, above, not counted)
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    roof = dict(threads=threads, fma_peak_runs=[], **{f"{k}_bandwidth_runs": [] for k in roofline.BANDWIDTH_MODES})
+    roof = dict(threads=threads, fma_peak_runs=[], llc_bytes=roofline.LLC_BYTES,
+                bandwidth_buffer_bytes=8 * roofline.LLC_BYTES,
+                **{f"{k}_bandwidth_runs": [] for k in roofline.BANDWIDTH_MODES})
 
     def measure_roofline(when):
         """Measured before and after the timings; the best of the two counts (others share the cores)."""
@@ -993,10 +999,6 @@ def main(argv=None):
     layer_rows = run_layer(args.quick, target, baseline_path, args.quick or args.no_wait) if "layer" in sections else []
     if (ops_rows or layer_rows) and not args.quick:
         measure_roofline("after")
-    for r in ops_rows + layer_rows:
-        report.add_rates(r, r.get("native"), roof)
-        report.add_rates(r, r.get("native_interleaved"), roof, "_interleaved")
-        report.add_rates(r, r.get("native_in_program"), roof, "_in_program")
 
     vjson = vllm.pop("json", None)
     if vjson is not None:
@@ -1006,7 +1008,7 @@ def main(argv=None):
 
     env["duration_s"] = round(time.perf_counter() - t_run, 1)
     res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows, chunk=chunk_size_note())
-    res["targets"] = report.targets(res)
+    report.grade(res)
     # Plots beside the report (benchmarks/plots/ for a full run, committed with RESULTS.md).
     plots_dir = os.path.join(os.path.dirname(os.path.abspath(results_md)), "plots")
     os.makedirs(plots_dir, exist_ok=True)

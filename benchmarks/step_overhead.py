@@ -11,7 +11,7 @@ state), and the mixed step over a 2048-token bucket (a 2040-token prefill and 8 
             recurrence; conv update + spec recurrence; conv + gating + chunk), and their sum;
 * empty:    an empty jitted call (a donated [1] array returned): the fixed cost of one dispatch.
 
-Cold state: the decode and spec pools are 4x a 32 MiB LLC and every call takes the next disjoint
+Cold state: the decode and spec pools are 4x the LLC (`roofline.llc_bytes`) and every call takes the next disjoint
 slot set. Prints medians (ms) and the ratios step / kernels and step / (kernels + empty); with
 --repeats R, the median over R runs of each median (and of each 10th percentile: on a shared
 host the low percentile is the steadier estimate of a call's own cost), the ratios paired per round
@@ -33,9 +33,11 @@ import numpy as np
 from gdn_jax import GDNAttention, GDNCache, GDNConfig, GDNParams, Request, build_batch, ops, paths, zeros_pool
 from gdn_jax.batch import batch_status
 
+import roofline
+
 H, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * H * K + HV * V
-LLC = 32 << 20
+LLC = roofline.LLC_BYTES
 
 
 def _cfg(num_spec, state_dtype):

@@ -176,7 +176,10 @@ def load_json(paths, more=()):
     docs = []
     for path in paths:
         with open(path) as f:
-            docs.append(json.load(f))
+            doc = json.load(f)
+        for r in doc.get("results", []):  # not this run's: no same-run ratio (report.targets)
+            r["from_file"] = os.path.basename(path)
+        docs.append(doc)
     names = list(paths) + [name for _, name in more]
     docs += [doc for doc, _ in more]
     return dict(status="ok", json=merge_results(docs, names), patched=None,
@@ -222,6 +225,7 @@ def env_summary(vjson):
                 avx512_bf16=env.get("torch_is_avx512_bf16_supported"), amx=env.get("torch_is_amx_tile_supported"),
                 cpu=cpu.get("model_name"), malloc=(env.get("malloc") or {}).get("requested"),
                 quick=(vjson.get("meta") or {}).get("quick"), mode=harness_mode(vjson),
+                threads=env.get("torch_num_threads"),
                 wall_s=(vjson.get("meta") or {}).get("wall_s"))
 
 
@@ -240,7 +244,9 @@ class Index:
             self.rows[(r["case"], r["op"], r.get("state_dtype"))] = r
 
     def pick(self, case, ops, state):
-        """The first of `ops` measured for (case, state) as a compact dict; else its error; else None."""
+        """The first of `ops` measured for (case, state) as a compact dict; else its error; else None.
+        `fallback`: not the first of `ops` (vLLM's build lacks the kernel it prefers); `from_file`: the
+        row came from a results file, not from a harness run of this session."""
         err = None
         for op in ops:
             r = self.rows.get((case, op, state))
@@ -248,7 +254,8 @@ class Index:
                 continue
             if "median_ms" in r:
                 return dict(op=op, median_ms=r["median_ms"], p10_ms=r["p10_ms"], p90_ms=r["p90_ms"],
-                            tokens_per_s=r["tokens_per_s"], foreign_cores=r.get("foreign_cores"))
+                            tokens_per_s=r["tokens_per_s"], foreign_cores=r.get("foreign_cores"),
+                            fallback=op != ops[0], from_file=r.get("from_file"))
             if err is None:
                 err = dict(op=op, error=r.get("error", "?"))
         return err
