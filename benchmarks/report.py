@@ -120,7 +120,7 @@ def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
     rate = row.get(f"gbs{suffix}") or row.get(f"gflops{suffix}")
     unit = "GB/s" if f"gbs{suffix}" in row else "GFLOP/s"
     if key == "frac_fma_peak":
-        note = f"{rate:.1f} {unit}, of the f32 FMA peak"
+        note = f"{rate:.1f} {unit} of the f32 FMA peak"
         if row.get("roofline") and row["roofline"] != "f32 FMA peak":
             note += (f"; {100 * row[f'frac_roofline{suffix}']:.0f}% of the {row['roofline']}, which the chunk's f32 "
                      "GEMMs do not use (the accuracy budgets: ffi/README.md, Limits)")
