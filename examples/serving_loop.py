@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         while len(live) < args.rows + 2 and len(free) >= C and rng.random() < 0.5:
             slots = tuple(free.pop(int(rng.integers(len(free)))) for _ in range(C))
             prompt = rng.integers(0, VOCAB, int(rng.integers(4, 2 * args.tokens)))
-            live.append(Live(next_id, slots, prompt, int(rng.integers(3, 12)), spec=rng.random() < 0.6))
+            live.append(Live(next_id, slots, prompt, int(rng.integers(3, 12)), spec=cfg.core.num_spec > 0 and rng.random() < 0.6))
             next_id += 1
         # schedule this step's rows within the bucket (chunked prefill when the budget runs out)
         reqs, feed, owners, budget = [], [], [], args.tokens

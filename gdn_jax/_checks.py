@@ -62,6 +62,29 @@ def check_same_dtype(name: str, x, ref_name: str, ref) -> None:
         raise TypeError(f"{name} must have the dtype of {ref_name} ({jnp.dtype(ref.dtype).name}), got {jnp.dtype(x.dtype).name}")
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def host_int32(name: str, x):
+    """The host-side half of an index check, for a NumPy / Python value before it reaches jit.
+
+    With x64 off, JAX turns an int64 array into int32 at the jit boundary and wraps values
+    outside int32 (2**32 + 1 becomes slot 1) before the traced ``check_index`` sees them: such
+    values raise ``ValueError`` naming ``name`` here, and integer arrays come back as int32.
+    Other dtypes pass unchanged (a float array reaches ``check_index`` as one and raises
+    ``TypeError`` there); jax arrays, tracers and None pass unchanged.
+    """
+    if x is None or isinstance(x, (jax.Array, jax.core.Tracer)):
+        return x
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        return a
+    if a.size and (int(a.min()) < _INT32.min or int(a.max()) > _INT32.max):
+        bad = a[(a < _INT32.min) | (a > _INT32.max)].reshape(-1)[0]
+        raise ValueError(f"{name} holds {int(bad)}, outside int32 (indices and counts are int32)")
+    return a.astype(np.int32)
+
+
 def check_index(name: str, x, shape: tuple, expected: str) -> None:
     check_shape(name, x, shape, expected)
     check_dtype(name, x, (jnp.int32,), "int32")
@@ -156,6 +179,9 @@ def status_message(op: str, status) -> str | None:
     if code == 0:
         return None
     template = STATUS_MESSAGES.get(code, "unknown status code {code} (row {row}, value {value}, aux {aux})")
+    if code == 4 and value == PAD_SLOT_ID:  # a live row's used column, not a slot out of range
+        template = ("row {row}: column {aux} names PAD_SLOT_ID (-1), but the row uses it (a spec row uses "
+                    "columns [0, max(q, num_accepted_tokens))); a used column needs a slot")
     detail = template.format(code=code, row=row, row_plus_1=row + 1, value=value, aux=aux)
     return f"gdn_jax.{op}: invalid batch, nothing was written: {detail}"
 

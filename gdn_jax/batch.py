@@ -143,9 +143,17 @@ class BatchMetadata:
                    row_kind=np.zeros((S,), np.int32), has_initial_state=np.zeros((S,), bool),
                    num_accepted_tokens=np.ones((S,), np.int32), num_tokens=np.zeros((), np.int32))
 
+    def host_checked(self) -> "BatchMetadata":
+        """The same metadata with its NumPy / Python index fields as int32, after refusing values
+        outside int32 (ValueError naming the field): jit would wrap them into valid-looking slots.
+        jax arrays pass unchanged."""
+        return dataclasses.replace(self, **{
+            f: _checks.host_int32(f"batch.{f}", getattr(self, f))
+            for f in ("query_start_loc", "state_indices", "row_kind", "num_accepted_tokens", "num_tokens")})
+
     def to_device(self) -> "BatchMetadata":
         """The same metadata as jax arrays (one transfer per field)."""
-        return jax.tree_util.tree_map(jnp.asarray, self)
+        return jax.tree_util.tree_map(jnp.asarray, self.host_checked())
 
 
 # ---------------------------------------------------------------------------------------
@@ -500,7 +508,8 @@ class BatchBuilder:
 
     @classmethod
     def for_config(cls, config, *, num_slots: int, token_bucket, row_bucket, reorder: bool = True) -> "BatchBuilder":
-        return cls(num_slots=num_slots, num_spec=config.num_spec, token_bucket=token_bucket,
+        """``config``: a GDNConfig or a GDNLayerConfig (its ``core``)."""
+        return cls(num_slots=num_slots, num_spec=getattr(config, "core", config).num_spec, token_bucket=token_bucket,
                    row_bucket=row_bucket, reorder=reorder)
 
     def build(self, requests: Sequence[Request]) -> HostBatch:
@@ -545,8 +554,23 @@ def from_vllm_metadata(*, num_slots: int, num_spec: int, token_bucket, row_bucke
     sp_qsl = arr(spec_query_start_loc, np.int64)
     sp_idx = arr(spec_state_indices, np.int64)
     acc = arr(num_accepted_tokens, np.int64)
+    for name, qsl in (("non_spec_query_start_loc", ns_qsl), ("spec_query_start_loc", sp_qsl)):
+        if qsl is None:
+            continue
+        if qsl.ndim != 1 or len(qsl) == 0 or qsl[0] != 0:
+            raise ValueError(f"from_vllm_metadata: {name} must be a 1-D cumsum starting at 0, got {qsl.tolist()}")
+        if np.any(np.diff(qsl) < 0):
+            i = int(np.argmax(np.diff(qsl) < 0))
+            raise ValueError(f"from_vllm_metadata: {name} must be non-decreasing: {name}[{i + 1}] = {qsl[i + 1]} < "
+                             f"{name}[{i}] = {qsl[i]}")
     n_ns = 0 if ns_qsl is None else len(ns_qsl) - 1
     n_sp = 0 if sp_qsl is None else len(sp_qsl) - 1
+    if hist is not None and hist.shape != (n_ns,):
+        raise ValueError(f"from_vllm_metadata: has_initial_state must have one entry per non-spec row ({n_ns}), "
+                         f"got shape {hist.shape} (vLLM's per-request array restricted to ~spec_sequence_masks)")
+    if sp_idx is not None and sp_idx.ndim != 2:
+        raise ValueError(f"from_vllm_metadata: spec_state_indices must be [n_spec, num_spec + 1], got shape "
+                         f"{sp_idx.shape}")
     if mask is None:
         if n_sp:
             raise ValueError("from_vllm_metadata: spec rows given without spec_sequence_masks")

@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
-from .batch import HostBatch
 from .config import GDNCache, GDNConfig, GDNParams, _check_array
 from .ops import PackedLinearWeight, linear, pack_linear_weight, packed_shape
-from .paths import STEP_KINDS, GDNAttention, _step, check_status
+from .paths import STEP_KINDS, GDNAttention, _step, _unwrap, check_status
 
 __all__ = ["GDNLayerConfig", "GDNLayerParams", "GatedDeltaNetLayer", "LAYER_STEPS", "MODEL_FAMILIES",
            "PACKED_PROJECTIONS", "in_projection", "gated_rms_norm", "out_projection", "layer_step"]
@@ -278,9 +277,13 @@ def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDN
     _checks.check_dtype("hidden", hidden, (config.act_dtype,), f"{config.act_dtype.name} (config.core.act_dtype)")
     params.validate(config)
     mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
-    o, cache, status = _step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
-                             batch.metadata if isinstance(batch, HostBatch) else batch)
+    batch = _unwrap(batch)
+    o, cache, status = _step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache, batch)
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps)
+    # Bucket padding tokens and refused batches output zeros: o is zero there, but 0 * silu(z) is
+    # NaN where the padding's hidden values are not finite.
+    real = (jnp.arange(T) < batch.query_start_loc[-1]) & (status[0] == 0)
+    y = jnp.where(real[:, None, None], y, jnp.zeros((), y.dtype))
     return out_projection(params, y.reshape(T, config.Z), impl), cache, status
 
 
@@ -330,9 +333,7 @@ class GatedDeltaNetLayer:
         return layer_step(self.config, self.impl, kind, hidden, params, cache, batch)
 
     def _host(self, name: str, hidden, params, cache, batch):
-        if isinstance(batch, HostBatch):
-            batch = batch.metadata
-        out, cache, status = getattr(self, f"{name}_with_status")(hidden, params, cache, batch)
+        out, cache, status = getattr(self, f"{name}_with_status")(hidden, params, cache, _unwrap(batch))
         check_status(name, status, caches=cache)
         return out, cache
 
@@ -359,7 +360,10 @@ class GatedDeltaNetLayer:
         return self.core.commit_accepted(cache, spec_state_indices, num_accepted_tokens)
 
     def compiled_count(self) -> dict:
-        """Executables compiled so far per step (jax's jit cache size)."""
+        """Entries of each step's jit cache (``_cache_size``): one per call signature seen (shapes,
+        dtypes, and whether an argument came as NumPy or a jax array), so at least the number of
+        programs compiled; XLA may compile fewer (the same program serves NumPy and device
+        metadata of one bucket). Feed one kind of metadata to count compilations."""
         out = {name: getattr(self, f"{name}_with_status")._cache_size() for name in LAYER_STEPS}
         out["commit_accepted"] = self.commit_accepted_with_status._cache_size()
         return out

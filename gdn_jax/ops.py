@@ -86,6 +86,8 @@ def report_status(op: str, status, carrier):
 
 # Keyword arguments that select a program rather than feed it data: static in the cached jit.
 _STATIC_ARGS = ("impl", "activation", "conv_state_layout", "scale", "use_qk_l2norm", "l2norm_eps")
+# Checked on the host before jit (``_checks.host_int32``): jit wraps int64 values beyond int32.
+_INDEX_ARGS = ("query_start_loc", "state_indices", "spec_state_indices", "num_accepted_tokens", "src", "dst")
 
 
 def _is_traced(tree) -> bool:
@@ -119,6 +121,9 @@ def _compiled_once(fn):
         for n in static:
             if n in kwargs:
                 kwargs[n] = _static_value(kwargs[n])
+        for n in _INDEX_ARGS:
+            if n in kwargs:
+                kwargs[n] = C.host_int32(n, kwargs[n])
         try:
             hash(tuple(kwargs.get(n) for n in static))
         except TypeError:  # not a valid static value: fn's own checks raise, naming it

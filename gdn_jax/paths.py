@@ -266,7 +266,10 @@ def check_status(op: str, status, caches=None) -> None:
 
 
 def _unwrap(batch):
-    return batch.metadata if isinstance(batch, HostBatch) else batch
+    """The BatchMetadata of a HostBatch or a BatchMetadata, its host index fields checked
+    (``BatchMetadata.host_checked``); anything else as it is (the step's checks name it)."""
+    batch = batch.metadata if isinstance(batch, HostBatch) else batch
+    return batch.host_checked() if isinstance(batch, BatchMetadata) else batch
 
 
 class GDNAttention:
@@ -379,13 +382,17 @@ class GDNAttention:
         Returns: the cache. Raises InvalidBatchError (``.caches`` = unchanged cache) on a
         bad row.
         """
-        cache, status = self.commit_accepted_with_status(cache, jnp.asarray(spec_state_indices, jnp.int32),
-                                                         jnp.asarray(num_accepted_tokens, jnp.int32))
+        cache, status = self.commit_accepted_with_status(
+            cache, _checks.host_int32("spec_state_indices", spec_state_indices),
+            _checks.host_int32("num_accepted_tokens", num_accepted_tokens))
         check_status("commit_accepted", status, caches=cache)
         return cache
 
     def compiled_count(self) -> dict:
-        """Executables compiled so far per step (jax's jit cache size)."""
+        """Entries of each step's jit cache (``_cache_size``): one per call signature seen (shapes,
+        dtypes, and whether an argument came as NumPy or a jax array), so at least the number of
+        programs compiled; XLA may compile fewer (the same program serves NumPy and device
+        metadata of one bucket). Feed one kind of metadata to count compilations."""
         out = {}
         for kind in list(STEP_KINDS) + ["commit_accepted"]:
             fn = getattr(self, f"{kind}_with_status")

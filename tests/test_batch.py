@@ -323,3 +323,47 @@ def test_device_status_single_row_single_column(impl):
     assert _status(m, impl, T=8).tolist() == [0, 0, 0, 0]
     bad = _edit(m, state_indices=_set(((0, 0), 99)))
     assert _status(bad, impl, T=8).tolist() == [4, 0, 99, 0]
+
+
+def test_from_vllm_refuses_query_start_locs_and_flags_that_do_not_line_up():
+    """A decreasing or shifted query_start_loc (a negative-length row was dropped silently, the
+    token count changed) and a has_initial_state that is not one flag per non-spec row (read
+    misaligned: a stale slot taken for history) are ValueErrors naming the field."""
+    kw = dict(num_slots=N, num_spec=0, token_bucket=16, row_bucket=4)
+    with pytest.raises(ValueError, match=r"non_spec_query_start_loc must be non-decreasing: .*\[2\] = 3 < .*\[1\] = 5"):
+        from_vllm_metadata(non_spec_query_start_loc=[0, 5, 3, 8], non_spec_state_indices=[1, 2, 3], **kw)
+    with pytest.raises(ValueError, match="non_spec_query_start_loc must be a 1-D cumsum starting at 0"):
+        from_vllm_metadata(non_spec_query_start_loc=[2, 5, 8], non_spec_state_indices=[1, 2], **kw)
+    with pytest.raises(ValueError, match="spec_query_start_loc must be non-decreasing"):
+        from_vllm_metadata(num_slots=N, num_spec=1, token_bucket=16, row_bucket=4, spec_sequence_masks=[True, True],
+                           spec_query_start_loc=[0, 2, 1], spec_state_indices=[[1, 2], [3, 4]],
+                           num_accepted_tokens=[1, 1])
+    for flags in ([True, False, True], [True]):  # per request (3 rows, 1 of them spec) / too short
+        with pytest.raises(ValueError, match=r"has_initial_state must have one entry per non-spec row \(2\)"):
+            from_vllm_metadata(num_slots=N, num_spec=1, token_bucket=16, row_bucket=4,
+                               spec_sequence_masks=[True, False, False], spec_query_start_loc=[0, 2],
+                               spec_state_indices=[[6, 7]], num_accepted_tokens=[1],
+                               non_spec_query_start_loc=[0, 4, 7], non_spec_state_indices=[1, 2],
+                               has_initial_state=flags)
+
+
+def test_builder_for_a_layer_config():
+    from gdn_jax.layer import GDNLayerConfig
+    core = GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16, num_spec=2)
+    b = BatchBuilder.for_config(GDNLayerConfig(hidden_size=32, core=core), num_slots=8, token_bucket=8,
+                                row_bucket=2)
+    assert b.num_spec == 2 and b.build([Request.spec((0, 1, 2), 3)]).metadata.state_indices.shape == (2, 3)
+
+
+def test_host_metadata_outside_int32_is_refused_not_wrapped():
+    """With x64 off jit turns int64 into int32, wrapping 2**32 + 1 into slot 1: the host check
+    refuses such values naming the field, and converts the rest to int32."""
+    m = build_batch([Request.prefill(1, 3)], num_slots=N, num_spec=0, token_bucket=4, row_bucket=2).metadata
+    bad = dataclasses.replace(m, state_indices=m.state_indices.astype(np.int64))
+    bad.state_indices[0, 0] = 2 ** 32 + 1
+    with pytest.raises(ValueError, match=r"batch.state_indices holds 4294967297, outside int32"):
+        bad.host_checked()
+    with pytest.raises(ValueError, match="batch.state_indices"):
+        bad.to_device()
+    ok = dataclasses.replace(m, query_start_loc=m.query_start_loc.astype(np.int64)).host_checked()
+    assert ok.query_start_loc.dtype == np.int32 and ok.query_start_loc.tolist() == m.query_start_loc.tolist()

@@ -415,3 +415,24 @@ def test_native_and_reference_statuses_agree_on_random_corruptions():
         assert got["native"] == got["reference"], (trial, qsl, idx, acc, got)
         codes.update(s[0] for s in got["native"])
     assert {0, 2, 4, 5, 6, 7, 9, 10} <= codes, codes
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_int64_indices_beyond_int32_are_refused_not_wrapped(impl):
+    """Called eagerly with NumPy int64 indices (a torch engine's), jit converts them to int32 and
+    wraps 2**32 + 1 into slot 1: the ops refuse such values naming the argument, take int64 in range."""
+    if impl == "native" and not gdn_jax.native_available():
+        pytest.skip("native extension not built")
+    T, N = 2, 4
+    q, k, v = _qkv(T)
+    pool = jnp.ones((N, HV, K, V))
+    big = np.array([0, 2 ** 32 + 1], np.int64)
+    with pytest.raises(ValueError, match="state_indices holds 4294967297, outside int32"):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update(q, k, v, **_gates(T), ssm_state=pool, state_indices=big,
+                                                       impl=impl)
+    with pytest.raises(ValueError, match="src holds -4294967295"):
+        gdn_jax.copy_slots(pool, src=np.array([-(2 ** 32) + 1, 0]), dst=np.array([1, 2]), impl=impl)
+    o, pool2 = gdn_jax.fused_sigmoid_gating_delta_rule_update(q, k, v, **_gates(T), ssm_state=pool,
+                                                              state_indices=np.array([0, 3], np.int64), impl=impl)
+    after = np.asarray(pool2)   # slot 3 decayed (g = -softplus(0)), slot 1 untouched
+    assert np.all(after[3] < 1) and np.all(after[1] == 1)

@@ -45,7 +45,7 @@ def test_serving_loop_native_vs_reference():
 
 
 def test_serving_loop_from_a_given_checkpoint(tmp_path):
-    """--checkpoint DIR: a Qwen3.5 (multimodal layout) checkpoint on disk, one impl."""
+    """--checkpoint DIR: a Qwen3.5 (multimodal layout) checkpoint on disk, one impl, spec off."""
     import jax
     import jax.numpy as jnp
 
@@ -58,8 +58,9 @@ def test_serving_loop_from_a_given_checkpoint(tmp_path):
                                         act_dtype=jnp.bfloat16))
     save_checkpoint(tmp_path, cfg, {1: GDNLayerParams.random(cfg, jax.random.key(0))}, num_hidden_layers=2)
     impl = "native" if NATIVE_READY else "reference"
-    out = _run("serving_loop.py", "--quick", "--checkpoint", str(tmp_path), "--impls", impl)
+    out = _run("serving_loop.py", "--quick", "--checkpoint", str(tmp_path), "--impls", impl, "--num-spec", "0")
     assert f"GDN layers [1] of {tmp_path} (qwen3_5," in out and f"one executable per impl: {{'{impl}': 1}}" in out
+    assert "num_spec=0" in out and "'spec': 0}" in out   # no spec rows without spec columns (it crashed)
 
 
 @pytest.mark.parametrize("impl", IMPL_ARGS)

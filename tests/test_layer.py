@@ -143,6 +143,26 @@ def test_refused_batch_keeps_every_slot(impl_isa):
         assert np.all(np.isfinite(np.asarray(out)))
 
 
+@pytest.mark.parametrize("impl_isa", NATIVE_FIRST)
+def test_padding_tokens_output_zero_whatever_their_hidden_values(impl_isa):
+    """Bucket padding (tokens past query_start_loc[S]) and a refused batch output zeros even when
+    the hidden values there are not finite: the core's zero times silu(z) was NaN."""
+    cfg = make_cfg()
+    params = GDNLayerParams.random(cfg, jax.random.key(5))
+    with impl_context(impl_isa) as impl:
+        layer = GatedDeltaNetLayer(cfg, impl)
+        cache = GDNCache.create(cfg.core, 8)
+        hb = build_batch([Request.prefill(1, 5)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        h = np.ones((8, HIDDEN), np.float32)
+        h[5:] = np.array([np.nan, np.inf, -np.inf])[:, None]
+        out, cache = layer.prefill(jnp.asarray(h), params, cache, hb)
+        out = np.asarray(out)
+        assert np.all(np.isfinite(out[:5])) and not np.any(out[5:]), out[5:]
+        bad = dataclasses.replace(hb.metadata, state_indices=np.array([[9, -1, -1], [-1, -1, -1]], np.int32))
+        o2, _, status = layer.prefill_with_status(jnp.full((8, HIDDEN), np.nan, jnp.float32), params, cache, bad)
+        assert int(status[0]) != 0 and not np.any(np.asarray(o2))
+
+
 def test_packed_params(tmp_path):
     cfg = make_cfg(jnp.bfloat16)
     params = GDNLayerParams.random(cfg, jax.random.key(8))

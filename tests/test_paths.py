@@ -743,6 +743,40 @@ def test_commit_accepted_bad_rows_keep_the_cache(impl_isa):
         assert _bits_equal(cache.conv_state, pre[0]) and _bits_equal(cache.ssm_state, pre[1])
 
 
+@pytest.mark.parametrize("impl_isa", IMPLS[:1])
+def test_host_indices_are_checked_before_jit_wraps_or_casts_them(impl_isa):
+    """int64 metadata beyond int32 (a torch engine's sentinel) was wrapped by jit into a valid slot
+    and written; float indices given to commit_accepted were truncated. Both raise naming the field,
+    before anything is donated; a -1 in a used spec column says so in words."""
+    attn = attention(CFG, impl_isa[0])
+    rng = np.random.default_rng(17)
+    cache = garbage_cache(CFG, rng)
+    pre = cache_bits(cache)
+    idx = np.full((S, 4), PAD_SLOT_ID, np.int64)
+    idx[0] = (1, 2, 3, 4)
+    acc = np.ones((S,), np.int64)
+    with pytest.raises(TypeError, match="spec_state_indices must have dtype int32, got float32"):
+        attn.commit_accepted(cache, idx.astype(np.float32), acc)
+    with pytest.raises(TypeError, match="num_accepted_tokens must have dtype int32"):
+        attn.commit_accepted(cache, idx, acc + 0.6)
+    big = idx.copy()
+    big[0, 1] = 2 ** 32 + 2
+    with pytest.raises(ValueError, match=r"spec_state_indices holds 4294967298, outside int32"):
+        attn.commit_accepted(cache, big, acc + 1)
+    hb = build_batch([Request.prefill(1, 3)], num_slots=N, num_spec=3, token_bucket=T, row_bucket=S)
+    m = hb.metadata
+    m.state_indices = m.state_indices.astype(np.int64)
+    m.state_indices[0, 0] = 2 ** 32 + 1
+    x, b, a = (jnp.asarray(v) for v in random_inputs(CFG, T, rng))
+    with pytest.raises(ValueError, match="batch.state_indices holds 4294967297"):
+        attn.prefill(x, b, a, _params(CFG), cache, m)
+    assert not cache.ssm_state.is_deleted() and _bits_equal(cache.ssm_state, pre[1])
+    with pytest.raises(gdn_jax.InvalidBatchError, match=r"row 0: column 1 names PAD_SLOT_ID \(-1\), but the row uses it") as ei:
+        attn.commit_accepted(cache, np.where(np.arange(4) == 1, -1, idx), acc + 1)   # acc 2 uses column 1
+    cache = attn.commit_accepted(ei.value.caches, idx, acc + 1)   # int64 in range: served
+    assert _bits_equal(np.asarray(cache.ssm_state)[1], pre[1][2])
+
+
 def test_functional_forms():
     rng = np.random.default_rng(16)
     params = _params(CFG)
