@@ -181,9 +181,32 @@ class Checkpoint:
             raise CheckpointError(str(e)) from None
 
 
-def _cfg_desc(ck: Checkpoint, c: GDNLayerConfig) -> str:
-    return (f"config.json: hidden_size={c.hidden_size}, linear_num_key_heads={c.H}, linear_num_value_heads={c.HV}, "
-            f"linear_key_head_dim={c.K}, linear_value_head_dim={c.V}, linear_conv_kernel_dim={c.core.W}")
+def _cfg_desc(ck: Checkpoint, c: GDNLayerConfig, given: bool = False) -> str:
+    return (f"{'the given config' if given else 'config.json'}: hidden_size={c.hidden_size}, "
+            f"linear_num_key_heads={c.H}, linear_num_value_heads={c.HV}, linear_key_head_dim={c.K}, "
+            f"linear_value_head_dim={c.V}, linear_conv_kernel_dim={c.core.W}")
+
+
+# A GDN layer's tensors (after the layer's prefix) per family; any other key there is refused.
+_LAYER_KEYS = {
+    "qwen3_next": ("in_proj_qkvz.weight", "in_proj_ba.weight"),
+    "qwen3_5": ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),
+}
+_COMMON_KEYS = ("conv1d.weight", "conv1d.bias", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+
+
+def _check_given_config(ck: Checkpoint, c: GDNLayerConfig) -> None:
+    """A config given to the loader must describe the checkpoint's layer: a head split whose
+    tensor shapes happen to coincide (H=2, K=32 against H=4, K=16) would load as another layer."""
+    stored = load_layer_config(ck, act_dtype=c.act_dtype)
+    fields = (("hidden_size", "hidden_size"), ("linear_num_key_heads", "H"), ("linear_num_value_heads", "HV"),
+              ("linear_key_head_dim", "K"), ("linear_value_head_dim", "V"))
+    for name, attr in fields + (("linear_conv_kernel_dim", None),):
+        want = stored.core.W if attr is None else getattr(stored, attr)
+        got = c.core.W if attr is None else getattr(c, attr)
+        if want != got:
+            raise CheckpointError(f"{ck.config_file}: the given config has {name} = {got}, the checkpoint's "
+                                  f"config.json {want}")
 
 
 def load_layer_config(path, *, num_spec: int = 0, state_dtype=jnp.float32, act_dtype=None,
@@ -255,13 +278,20 @@ def load_layer_params(path, layer: int, config: Optional[GDNLayerConfig] = None,
     c = load_layer_config(ck) if config is None else config
     if not isinstance(c, GDNLayerConfig):
         raise TypeError(f"config must be a GDNLayerConfig, got {type(c).__name__}")
+    if config is not None:
+        _check_given_config(ck, c)
     H, HV, K, V, G, W, D, Z, hid = c.H, c.HV, c.K, c.V, c.G, c.core.W, c.D, c.Z, c.hidden_size
     h0, h1 = (0, H) if key_heads is None else key_heads
     if not (isinstance(h0, (int, np.integer)) and isinstance(h1, (int, np.integer)) and 0 <= h0 < h1 <= H):
         raise ValueError(f"key_heads must be (h0, h1) with 0 <= h0 < h1 <= H={H}, got {key_heads!r}")
     n = h1 - h0
     pre = ck.prefix(layer)
-    desc = _cfg_desc(ck, c)
+    desc = _cfg_desc(ck, c, given=config is not None)
+    known = {pre + k for k in _LAYER_KEYS.get(ck.family, ()) + _COMMON_KEYS}
+    unknown = sorted(k[len(pre):] for k in ck.weight_map if k.startswith(pre) and k not in known)
+    if unknown:  # biases, quantisation scales: reading around them would load another layer
+        raise CheckpointError(f"{ck.config_file}: layer {layer} has tensors this loader does not take: "
+                              f"{', '.join(unknown)} (a {ck.family} GDN layer has {', '.join(sorted(k[len(pre):] for k in known))})")
 
     def read(name, shape, why, rows=None):
         return ck.read(pre + name, shape, f"{why}; {desc}", rows)

@@ -249,6 +249,39 @@ def test_errors_name_file_key_and_expectation(next_ckpt, q35_ckpt, tmp_path):
         load_layer_config(ck2)
 
 
+def test_a_given_config_must_describe_the_checkpoint(q35_ckpt):
+    """H=4, K=32 stored; a config of H=8, K=16 (HV, V the same) gives every tensor the same shape,
+    so it loaded as another layer (q/k split at other heads). Now a CheckpointError naming the field."""
+    _, _, path = q35_ckpt
+    stored = load_layer_config(path)
+    wrong = GDNLayerConfig(hidden_size=stored.hidden_size, model_type=stored.model_type,
+                           core=GDNConfig(num_k_heads=8, num_v_heads=stored.HV, head_k_dim=16, head_v_dim=stored.V,
+                                          act_dtype=stored.act_dtype))
+    assert wrong.D == stored.D and wrong.Z == stored.Z
+    with pytest.raises(CheckpointError, match="the given config has linear_num_key_heads = 8, the checkpoint's "
+                                              "config.json 4"):
+        load_layer_params(path, 1, wrong)
+    load_layer_params(path, 1, stored)  # the checkpoint's own config: served
+
+
+def test_unknown_tensors_of_a_layer_are_refused(next_ckpt, tmp_path):
+    """Biases or quantisation scales the loader does not take were skipped: the layer loaded as
+    another one. Now a CheckpointError listing them (layers without them still load)."""
+    _, _, path = next_ckpt
+    ck = _copy(path, tmp_path)
+    save_file({"model.layers.0.linear_attn.out_proj.bias": np.zeros((64,), np.float32),
+               "model.layers.0.linear_attn.in_proj_ba.weight_scale_inv": np.ones((1, 1), np.float32)},
+              ck / "extra.safetensors")
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update({"model.layers.0.linear_attn.out_proj.bias": "extra.safetensors",
+                              "model.layers.0.linear_attn.in_proj_ba.weight_scale_inv": "extra.safetensors"})
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match=r"layer 0 has tensors this loader does not take: "
+                                              r"in_proj_ba\.weight_scale_inv, out_proj\.bias"):
+        load_layer_params(ck, 0)
+    load_layer_params(ck, 1)
+
+
 def test_layer_types_from_full_attention_interval(next_ckpt, tmp_path):
     _, _, path = next_ckpt
     ck = _copy(path, tmp_path)
