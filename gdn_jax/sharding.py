@@ -102,12 +102,23 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """(dp, tp) of a mesh made by :func:`make_mesh` (a missing axis counts as 1)."""
+    """(dp, tp) of a mesh with the axes ``"data"`` and ``"model"``, in either order (size 1 allowed:
+    :func:`make_mesh` makes them); ValueError naming the axes otherwise."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if set(mesh.axis_names) != {DATA, MODEL}:
+        raise ValueError(f"mesh axes must be {DATA!r} and {MODEL!r} (size 1 allowed; gdn_jax.sharding.make_mesh(tp, dp) "
+                         f"makes such a mesh), got {tuple(mesh.axis_names)}")
     shape = dict(mesh.shape)
-    extra = set(shape) - {DATA, MODEL}
-    if extra:
-        raise ValueError(f"mesh axes must be {DATA!r} and {MODEL!r}, got {tuple(mesh.axis_names)}")
-    return int(shape.get(DATA, 1)), int(shape.get(MODEL, 1))
+    return int(shape[DATA]), int(shape[MODEL])
+
+
+def device_grid(mesh: Mesh) -> np.ndarray:
+    """The mesh's devices as a ``[dp, tp]`` array indexed by (data shard, model shard), whatever the
+    order of the mesh's axes."""
+    mesh_shape(mesh)
+    names = tuple(mesh.axis_names)
+    return np.transpose(np.asarray(mesh.devices), (names.index(DATA), names.index(MODEL)))
 
 
 def _positive(name, v) -> int:
@@ -433,7 +444,41 @@ def _place_batch(batch, mesh):
     meta = batch.metadata if isinstance(batch, ShardedHostBatch) else batch
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"batch must be a ShardedHostBatch or a stacked BatchMetadata, got {type(batch).__name__}")
+    dp = mesh_shape(mesh)[0]
+    if isinstance(batch, ShardedHostBatch) and batch.num_data != dp:
+        raise ValueError(f"batch was built for num_data={batch.num_data} data shards, the mesh has dp={dp} "
+                         f"(build_sharded_batch(..., num_data={dp}))")
+    meta = meta.host_checked()
+    check_stacked_batch(meta, dp, None)  # before placing: P("data") cannot split another leading size
     return jax.tree_util.tree_map(lambda x: _place_if_host(x, mesh, P(DATA)), meta)
+
+
+def check_stacked_batch(batch, dp: int, num_spec: Optional[int]) -> None:
+    """A stacked batch (every field with a leading ``[dp]`` axis, one block per data shard):
+    ValueError / TypeError naming the field at trace time. A batch stacked for another dp would
+    leave data shards' requests out (shard_map splits the leading axis)."""
+    if not isinstance(batch, BatchMetadata):
+        raise TypeError(f"batch must be a ShardedHostBatch or a stacked BatchMetadata, got {type(batch).__name__}")
+    for f in dataclasses.fields(BatchMetadata):
+        x = getattr(batch, f.name)
+        if len(getattr(x, "shape", ())) < 1 or x.shape[0] != dp:
+            raise ValueError(f"batch.{f.name} must carry a leading [dp] = [{dp}] axis (one block per data shard: "
+                             f"build_sharded_batch(..., num_data={dp})), got shape {tuple(getattr(x, 'shape', ()))}")
+    jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch).check_shapes(num_spec)
+
+
+def _check_placed(name: str, tree, specs, mesh: Mesh) -> None:
+    """The host wrappers take params and caches only as shard_params / load_params / create_cache
+    lay them out: jit would re-shard any other array silently, splitting plain-order channels by
+    position (a wrong layer, no error)."""
+    leaves, _ = jax.tree_util.tree_flatten(tree)
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for i, (x, spec) in enumerate(zip(leaves, spec_leaves)):
+        want = NamedSharding(mesh, spec)
+        if not isinstance(x, jax.Array) or not (x.sharding == want or x.sharding.is_equivalent_to(want, x.ndim)):
+            got = type(x).__name__ if not isinstance(x, jax.Array) else x.sharding
+            raise ValueError(f"{name}: leaf {i} is not laid out on this mesh as {spec} (got {got}); pass "
+                             f"{name} as the layer's shard_params / load_params / create_cache return them")
 
 
 class _ShardedSteps:
@@ -445,6 +490,8 @@ class _ShardedSteps:
     def _host(self, kind, *args):
         *arrays, params, cache, batch = args
         m = self.mesh
+        _check_placed("params", params, self._param_specs(params), m)
+        _check_placed("cache", cache, cache_specs(self._core_local), m)
         placed = [_place_if_host(x, m, spec) for x, spec in zip(arrays, self._array_specs)]
         out, cache, status = getattr(self, f"{kind}_with_status")(*placed, params, cache, _place_batch(batch, m))
         check_sharded_status(kind, status, caches=cache)
@@ -454,8 +501,10 @@ class _ShardedSteps:
         """Sharded :meth:`gdn_jax.GDNAttention.commit_accepted`: ``spec_state_indices [dp, S, C]``
         (local slot ids, as in the step's stacked batch), ``num_accepted_tokens [dp, S]``."""
         m = self.mesh
-        idx, acc = (x if isinstance(x, jax.Array) else place(np.asarray(x, np.int32), m, P(DATA))
-                    for x in (spec_state_indices, num_accepted_tokens))
+        _check_placed("cache", cache, cache_specs(self._core_local), m)
+        idx, acc = (x if isinstance(x, jax.Array) else place(_checks.host_int32(n, x), m, P(DATA))
+                    for n, x in (("spec_state_indices", spec_state_indices),
+                                 ("num_accepted_tokens", num_accepted_tokens)))
         cache, status = self.commit_accepted_with_status(cache, idx, acc)
         check_sharded_status("commit_accepted", status, caches=cache)
         return cache
@@ -468,6 +517,11 @@ def _make_commit(core: GDNConfig, impl: str, mesh: Mesh):
     c_specs = cache_specs(local)
 
     def commit(cache, spec_state_indices, num_accepted_tokens):
+        cols = core.num_spec + 1
+        _checks.check_rank("spec_state_indices", spec_state_indices, 3, "[dp, S, num_spec + 1]")
+        S = spec_state_indices.shape[1]
+        _checks.check_index("spec_state_indices", spec_state_indices, (dp, S, cols), "[dp, S, num_spec + 1]")
+        _checks.check_index("num_accepted_tokens", num_accepted_tokens, (dp, S), "[dp, S]")
         f = shard_map(functools.partial(_commit_shard, local, impl, dp, tp), mesh=mesh,
                       in_specs=(c_specs, P(DATA), P(DATA)), out_specs=(c_specs, P()))
         return f(cache, spec_state_indices, num_accepted_tokens)
@@ -507,6 +561,16 @@ class ShardedGDNAttention(_ShardedSteps):
     def __repr__(self) -> str:
         return f"ShardedGDNAttention({self.config!r}, dp={self.dp}, tp={self.tp}, impl={self.impl!r})"
 
+    @property
+    def _core_local(self) -> GDNConfig:
+        return self.local
+
+    @staticmethod
+    def _param_specs(params):
+        if not isinstance(params, GDNParams):
+            raise TypeError(f"params must be the GDNParams of shard_params, got {type(params).__name__}")
+        return core_param_specs(params)
+
     # --- specs ---
     x_spec = P(DATA, MODEL)
     out_spec = P(DATA, MODEL, None)
@@ -515,7 +579,17 @@ class ShardedGDNAttention(_ShardedSteps):
         cfg, impl, dp, tp, mesh = self.local, self.impl, self.dp, self.tp, self.mesh
         c_specs = cache_specs(cfg)
 
+        full = self.config
+
         def step(mixed_qkv, b, a, params, cache, batch):
+            n = _checks.check_rank("mixed_qkv", mixed_qkv, 2, "[dp*T, D]")[0]
+            _checks.check_shape("mixed_qkv", mixed_qkv, (n, full.D), "[dp*T, D] (D of the whole layer)")
+            _checks.check_dtype("mixed_qkv", mixed_qkv, (full.act_dtype,), full.act_dtype.name)
+            for name, x in (("b", b), ("a", a)):
+                _checks.check_shape(name, x, (n, full.HV), "[dp*T, HV] (HV of the whole layer)")
+            if n % dp:
+                raise ValueError(f"mixed_qkv has {n} tokens, not a multiple of dp={dp} (dp*T: T per data shard)")
+            check_stacked_batch(batch, dp, full.num_spec)
             f = shard_map(functools.partial(_core_shard, cfg, impl, kind, dp, tp), mesh=mesh,
                           in_specs=(self.x_spec, self.x_spec, self.x_spec, core_param_specs(params), c_specs,
                                     BATCH_SPECS),
@@ -611,7 +685,7 @@ def load_sharded_layer_params(path, layer: int, config, mesh: Mesh, *, packed: b
     dp, tp = mesh_shape(mesh)
     local_config(config.core, tp)
     h = config.H // tp
-    devices = np.asarray(mesh.devices).reshape(dp, tp)
+    devices = device_grid(mesh)  # [data shard, model shard], whatever the mesh's axis order
     mine = {r for r in range(tp) for d in range(dp) if devices[d, r].process_index == jax.process_index()}
     if not mine:
         raise ValueError(f"process {jax.process_index()} has no device in the mesh; call load_params only on "
@@ -697,11 +771,30 @@ class ShardedGatedDeltaNetLayer(_ShardedSteps):
     hidden_spec = P(DATA, None)
     _array_specs = (hidden_spec,)
 
+    @property
+    def _core_local(self) -> GDNConfig:
+        return self.local.core
+
+    @staticmethod
+    def _param_specs(params):
+        if not isinstance(params, GDNLayerParams):
+            raise TypeError(f"params must be the GDNLayerParams of shard_params / load_params, got "
+                            f"{type(params).__name__}")
+        return layer_param_specs(params)
+
     def _make_step(self, name):
         cfg, impl, dp, tp, mesh, scatter = self.local, self.impl, self.dp, self.tp, self.mesh, self.scatter_output
         c_specs = cache_specs(cfg.core)
 
+        full = self.config
+
         def step(hidden, params, cache, batch):
+            n = _checks.check_rank("hidden", hidden, 2, "[dp*T, hidden_size]")[0]
+            _checks.check_shape("hidden", hidden, (n, full.hidden_size), "[dp*T, hidden_size]")
+            _checks.check_dtype("hidden", hidden, (full.act_dtype,), f"{full.act_dtype.name} (config.core.act_dtype)")
+            if n % dp:
+                raise ValueError(f"hidden has {n} tokens, not a multiple of dp={dp} (dp*T: T per data shard)")
+            check_stacked_batch(batch, dp, full.core.num_spec)
             if scatter and (hidden.shape[0] // dp) % tp:
                 raise ValueError(f"scatter_output: the token bucket T={hidden.shape[0] // dp} must be a multiple "
                                  f"of tp={tp}")

@@ -28,7 +28,7 @@ def _setup(devices: int):
 
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mesh"
-if MODE in ("mesh", "hlo", "packed"):
+if MODE in ("mesh", "hlo", "packed", "misuse"):
     _setup(4)
 
 import dataclasses  # noqa: E402
@@ -413,6 +413,73 @@ def packed_check(ckpt):
               rel_rmse_local(out_packed, np.asarray(out_plain, np.float64)), 8e-3)   # bf16 roundings
 
 
+def expect_error(what, exc, match, fn):
+    try:
+        fn()
+    except exc as e:
+        if not re.search(match, str(e)):
+            fail(f"{what}: {type(e).__name__} without {match!r}: {e}")
+        print(f"  {what}: {type(e).__name__} OK", flush=True)
+        return
+    except Exception as e:  # noqa: BLE001
+        fail(f"{what}: expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}")
+    fail(f"{what}: accepted, expected {exc.__name__} matching {match!r}")
+
+
+def misuse_checks(fam, impl):
+    """Mistakes that once ran silently on a mesh (4 devices, tp = dp = 2): a batch built for
+    another dp dropped data shards' requests; weights and pools not laid out by the layer were
+    re-sharded by jit, splitting plain-order channels by position; a mesh without a "data" axis
+    failed late; wrong global shapes were reported as per-shard shapes."""
+    from gdn_jax.checkpoint import load_layer_params
+    mesh = sh.make_mesh(tp=2, dp=2)
+    eng = fam.sharded(mesh, impl)
+    params = fam.shard_params(eng, fam.params(0))
+    cache = eng.create_cache(N)
+    reqs = [Request.prefill(1, 5), Request.prefill(N + 2, 7)]
+    width = fam.cfg.D if fam.what == "core" else fam.cfg.hidden_size
+    call = eng.prefill
+
+    def arrays(hb, dp=2):
+        x = np.ones((dp * hb.token_bucket, width), np.float32)
+        if fam.what == "core":
+            hv = np.ones((dp * hb.token_bucket, fam.cfg.HV), np.float32)
+            return [x, hv, hv]
+        return [x]
+
+    good = sh.build_sharded_batch(reqs, num_slots=N, num_data=2, num_spec=fam.core.num_spec, token_bucket=T,
+                                  row_bucket=S)
+    four = sh.build_sharded_batch(reqs, num_slots=N, num_data=4, num_spec=fam.core.num_spec, token_bucket=T,
+                                  row_bucket=S)
+    expect_error("batch for num_data=4 on dp=2", ValueError, r"built for num_data=4 data shards, the mesh has dp=2",
+                 lambda: call(*arrays(four), params, cache, four))
+    expect_error("stacked metadata for dp=4", ValueError, r"batch.query_start_loc must carry a leading \[dp\] = \[2\]",
+                 lambda: call(*arrays(good), params, cache, four.metadata))
+    expect_error("an unstacked batch", ValueError, r"batch\.\w+ must carry a leading \[dp\]",
+                 lambda: call(*arrays(good), params, cache, good.shards[0].metadata))
+    if fam.what == "layer":
+        full = load_layer_params(fam.ckpt, LAYER, fam.cfg)          # plain order, one device
+        expect_error("params not from load_params", ValueError, r"params: leaf \d+ is not laid out on this mesh",
+                     lambda: call(*arrays(good), full, cache, good))
+        expect_error("hidden of the wrong width", ValueError, r"hidden must be \[dp\*T, hidden_size\]",
+                     lambda: call(np.ones((2 * good.token_bucket, width + 1), np.float32), params, cache, good))
+    else:
+        expect_error("params not from shard_params", ValueError, r"params: leaf \d+ is not laid out on this mesh",
+                     lambda: call(*arrays(good), fam.params(0), cache, good))
+        expect_error("mixed_qkv of a shard's width", ValueError, r"mixed_qkv must be \[dp\*T, D\]",
+                     lambda: call(np.ones((2 * good.token_bucket, width // 2), np.float32), *arrays(good)[1:], params,
+                                  cache, good))
+    expect_error("a cache not from create_cache", ValueError, r"cache: leaf \d+ is not laid out on this mesh",
+                 lambda: call(*arrays(good), params, GDNCache.create(fam.core, 2 * N), good))
+    expect_error("commit with num_accepted_tokens [S]", ValueError, r"num_accepted_tokens must be \[dp, S\]",
+                 lambda: eng.commit_accepted(cache, good.metadata.state_indices, np.ones((S,), np.int32)))
+    expect_error("a mesh without a data axis", ValueError, r"mesh axes must be 'data' and 'model'",
+                 lambda: fam.sharded(jax.sharding.Mesh(np.asarray(jax.devices()[:2]), (sh.MODEL,)), impl))
+    out, cache = call(*arrays(good), params, cache, good)      # the mistakes above changed nothing
+    if not np.all(np.isfinite(np.asarray(out))):
+        fail("the good batch after the refused ones gave non-finite output")
+
+
 def inspect_hlo(text, pool_shapes, what, allowed_reduce=()):
     """No all-gather / all-to-all / collective-permute / reduce-scatter; all-reduces only of
     the status tables (and of ``allowed_reduce`` shapes, exactly once each); no copy or
@@ -450,7 +517,7 @@ def write_checkpoint(path, cfg):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["mesh", "dist", "hlo", "packed", "write-checkpoint"])
+    ap.add_argument("mode", choices=["mesh", "dist", "hlo", "packed", "misuse", "write-checkpoint"])
     ap.add_argument("--what", choices=["core", "layer"], default="core")
     ap.add_argument("--impl", default="native")
     ap.add_argument("--meshes", default="2x1,4x1,2x2")
@@ -477,10 +544,15 @@ def main():
     elif args.mode == "packed":
         with tempfile.TemporaryDirectory(prefix="gdn_shard_ckpt_bf16_") as ckpt:
             packed_check(ckpt)
+    elif args.mode == "misuse":
+        misuse_checks(fam, args.impl)
     elif args.mode == "mesh":
         for spec in args.meshes.split(","):
-            tp, dp = (int(v) for v in spec.split("x"))
-            run_sequence(fam, args.impl, sh.make_mesh(tp=tp, dp=dp), with_reference=spec in args.reference_on.split(","))
+            tp, dp = (int(v) for v in spec.rstrip("r").split("x"))
+            mesh = sh.make_mesh(tp=tp, dp=dp)
+            if spec.endswith("r"):  # the same devices with the axes named the other way round
+                mesh = jax.sharding.Mesh(np.asarray(mesh.devices).T, (sh.MODEL, sh.DATA))
+            run_sequence(fam, args.impl, mesh, with_reference=spec in args.reference_on.split(","))
     elif args.mode == "dist":
         if "jax_cpu_collectives_implementation" in jax.config.values:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -78,6 +78,22 @@ def test_layer_mesh_tp2_tp4_data2_tp2_match_unsharded_layer_and_reference(checkp
 
 
 @needs_native
+def test_layer_mesh_with_its_axes_the_other_way_round(checkpoint):
+    """A mesh whose axes are ("model", "data"): load_params placed shard 1's rows on model shard
+    0's devices (the devices reshaped as if the axes were (data, model)), a wrong layer."""
+    _run("mesh", "--what", "layer", "--ckpt", checkpoint, "--meshes", "2x2r", "--reference-on", "none")
+
+
+@needs_native
+@pytest.mark.parametrize("what", ["layer", "core"])
+def test_mistakes_on_a_mesh_are_refused_naming_them(checkpoint, what):
+    """A batch built for another dp (data shards' requests dropped), weights or pools the layer did
+    not lay out (jit re-sharded them by position), a mesh without a data axis, global shapes."""
+    log = _run("misuse", "--what", what, "--ckpt", checkpoint)
+    assert log.count(" OK") >= 8, log
+
+
+@needs_native
 def test_layer_packed_weights_shard_like_plain_ones():
     """bf16 layer, 2x1 / 4x1 / 2x2 meshes: packed per shard at load == packed on the host; one
     mixed step with packed weights against the same mesh with plain weights."""
