@@ -122,14 +122,18 @@ def test_layer_step_matches_f64(impl_isa, act, packed):
     assert F.rel_rmse(to_np64(cache.ssm_state)[touched], ssm[touched]) <= (1e-5 if act == "float32" else 1e-2)
 
 
+def _one_prefill(impl, seed, n):
+    """(layer, params, cache of 8 slots, a batch of one n-token prefill in an 8-token bucket)."""
+    cfg = make_cfg()
+    hb = build_batch([Request.prefill(1, n)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+    return (GatedDeltaNetLayer(cfg, impl), GDNLayerParams.random(cfg, jax.random.key(seed)),
+            GDNCache.create(cfg.core, 8), hb)
+
+
 @pytest.mark.parametrize("impl_isa", NATIVE_FIRST)
 def test_refused_batch_keeps_every_slot(impl_isa):
-    cfg = make_cfg()
-    params = GDNLayerParams.random(cfg, jax.random.key(4))
     with impl_context(impl_isa) as impl:
-        layer = GatedDeltaNetLayer(cfg, impl)
-        cache = GDNCache.create(cfg.core, 8)
-        hb = build_batch([Request.prefill(1, 6)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        layer, params, cache, hb = _one_prefill(impl, 4, 6)
         h = jnp.ones((8, HIDDEN), jnp.float32)
         _, cache = layer.prefill(h, params, cache, hb)
         before = cache_bits(cache)
@@ -147,12 +151,8 @@ def test_refused_batch_keeps_every_slot(impl_isa):
 def test_padding_tokens_output_zero_whatever_their_hidden_values(impl_isa):
     """Bucket padding (tokens past query_start_loc[S]) and a refused batch output zeros even when
     the hidden values there are not finite: the core's zero times silu(z) was NaN."""
-    cfg = make_cfg()
-    params = GDNLayerParams.random(cfg, jax.random.key(5))
     with impl_context(impl_isa) as impl:
-        layer = GatedDeltaNetLayer(cfg, impl)
-        cache = GDNCache.create(cfg.core, 8)
-        hb = build_batch([Request.prefill(1, 5)], num_slots=8, num_spec=2, token_bucket=8, row_bucket=2)
+        layer, params, cache, hb = _one_prefill(impl, 5, 5)
         h = np.ones((8, HIDDEN), np.float32)
         h[5:] = np.array([np.nan, np.inf, -np.inf])[:, None]
         out, cache = layer.prefill(jnp.asarray(h), params, cache, hb)
