@@ -578,7 +578,6 @@ class ShardedGDNAttention(_ShardedSteps):
     def _make_step(self, kind):
         cfg, impl, dp, tp, mesh = self.local, self.impl, self.dp, self.tp, self.mesh
         c_specs = cache_specs(cfg)
-
         full = self.config
 
         def step(mixed_qkv, b, a, params, cache, batch):
@@ -785,7 +784,6 @@ class ShardedGatedDeltaNetLayer(_ShardedSteps):
     def _make_step(self, name):
         cfg, impl, dp, tp, mesh, scatter = self.local, self.impl, self.dp, self.tp, self.mesh, self.scatter_output
         c_specs = cache_specs(cfg.core)
-
         full = self.config
 
         def step(hidden, params, cache, batch):
