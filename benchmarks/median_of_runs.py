@@ -46,8 +46,7 @@ def grade(target, entries):
             return med, f"{len(vals)} of {len(entries)} runs: not graded"
         statuses = {u["status"] for u in entries if u is not None}
         return None, statuses.pop() if len(statuses) == 1 else "not measured"
-    ge = target["threshold_shown"].startswith("≥")
-    return med, "met" if (med >= target["threshold"] if ge else med <= target["threshold"]) else "not met"
+    return med, "met" if report.meets(med, target["threshold"], target["threshold_shown"].startswith("≥")) else "not met"
 
 
 def main():

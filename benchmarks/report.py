@@ -73,6 +73,11 @@ def _layer(res, case, state):
 # --- targets (issue #20) -------------------------------------------------------------------------------
 
 
+def meets(value, threshold, ge) -> bool:
+    """A target's verdict: value >= threshold for a "≥" target, <= for a "≤" one."""
+    return value >= threshold if ge else value <= threshold
+
+
 def shown_value(value, pct, ge):
     """A target's value as printed beside its threshold (percent without decimals, or a ratio with
     two), rounded toward failing (down for a "≥" target, up for "≤"), so that a value printed equal
@@ -145,7 +150,7 @@ def targets(res):
             if value is None:
                 status = "not measured"
             else:
-                status = "met" if (value >= threshold if ge else value <= threshold) else "not met"
+                status = "met" if meets(value, threshold, ge) else "not met"
         out.append(dict(target=target, case=case, value=value, threshold=threshold,
                         threshold_shown=("≥ " if ge else "≤ ") + shown, status=status, note=note,
                         measured=None if value is None else shown_value(value, shown.endswith("%"), ge)))

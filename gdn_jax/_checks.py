@@ -77,7 +77,7 @@ def host_int32(name: str, x):
     if x is None or isinstance(x, (jax.Array, jax.core.Tracer)):
         return x
     a = np.asarray(x)
-    if a.dtype.kind not in "iu":
+    if a.dtype == np.int32 or a.dtype.kind not in "iu":  # int32: nothing to check or convert
         return a
     if a.size and (int(a.min()) < _INT32.min or int(a.max()) > _INT32.max):
         bad = a[(a < _INT32.min) | (a > _INT32.max)].reshape(-1)[0]

@@ -440,10 +440,10 @@ def misuse_checks(fam, impl):
     width = fam.cfg.D if fam.what == "core" else fam.cfg.hidden_size
     call = eng.prefill
 
-    def arrays(hb, dp=2):
-        x = np.ones((dp * hb.token_bucket, width), np.float32)
+    def arrays(hb):  # the token arrays of a dp = 2 step
+        x = np.ones((2 * hb.token_bucket, width), np.float32)
         if fam.what == "core":
-            hv = np.ones((dp * hb.token_bucket, fam.cfg.HV), np.float32)
+            hv = np.ones((2 * hb.token_bucket, fam.cfg.HV), np.float32)
             return [x, hv, hv]
         return [x]
 
