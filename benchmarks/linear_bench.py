@@ -37,6 +37,11 @@ from layer_breakdown import median_ms
 LAYOUTS = ("packed", "plain", "xla")
 
 
+def _sig3(v: float) -> str:
+    """Three significant digits without an exponent: a 4 us call on a fast host reads 0.00412, not 0.00."""
+    return np.format_float_positional(v, precision=3, unique=False, fractional=False, trim="-")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,512", help="comma list of T")
@@ -93,9 +98,9 @@ def main(argv=None) -> int:
         gflops = 2 * T * args.n_in * args.n_out / ms["packed"] / 1e6
         gbs = args.n_out * args.n_in * 2 / ms["packed"] / 1e6
         table.append((T, ms, gflops, gbs))
-        print(f"| {T} | {ms['packed']:.2f} | {ms['plain']:.2f} | {ms['xla']:.2f} | "
-              f"{ms['packed'] / ms['plain']:.2f} | {gflops:.1f} | {100 * gflops / dot_peak:.1f} | {gbs:.1f} | "
-              f"{100 * gbs / read_gbs[0]:.1f} |", flush=True)
+        cells = (ms["packed"], ms["plain"], ms["xla"], ms["packed"] / ms["plain"], gflops, 100 * gflops / dot_peak,
+                 gbs, 100 * gbs / read_gbs[0])
+        print(f"| {T} | " + " | ".join(_sig3(v) for v in cells) + " |", flush=True)
     read_gbs.append(roofline.bandwidth_gbs("read", probe_bytes))
     if read_gbs[1] > read_gbs[0]:
         print(f"read bandwidth after the table {read_gbs[1]:.1f} GB/s: % of read bandwidth against it: "
