@@ -275,8 +275,18 @@ def grade(res):
 # --- Markdown -----------------------------------------------------------------------------------------
 
 
-def _runs(xs):
-    return " / ".join(f"{x:.1f}" for x in xs or [])
+def _runs(roof, key):
+    """A probe's readings: before the timings, beside the rows held to it (range and count), after."""
+    xs, whens = roof.get(f"{key}_runs") or [], roof.get(f"{key}_when")
+    if not whens or len(whens) != len(xs):  # a results.json from before the probes beside the rows
+        return " / ".join(f"{x:.1f}" for x in xs)
+    parts = [f"{w} {x:.1f}" for w, x in zip(whens, xs) if w != "beside"]
+    beside = [x for w, x in zip(whens, xs) if w == "beside"]
+    if beside:
+        span = f"{beside[0]:.1f}" if len(beside) == 1 else f"{min(beside):.1f}-{max(beside):.1f}"
+        parts.insert(1 if whens[0] != "beside" else 0,
+                     f"beside {len(beside)} row{'s' if len(beside) > 1 else ''} {span}")
+    return ", ".join(parts)
 
 
 def _ms(st):
@@ -377,17 +387,17 @@ def markdown(res, md_dir):
     buf = roof.get("bandwidth_buffer_bytes", 256 << 20)
     bw_how = ("`gdn_jax_bandwidth_probe` (ffi/src/handlers/probe.cc): a jitted custom call on XLA's intra-op "
               f"pool, forked and joined like the kernels, over {buf >> 20} MiB ({buf / llc:.0f}x the "
-              f"{llc >> 20} MiB LLC), 64 KiB pieces; bytes read + written; fastest of 7 calls, best of before / "
-              "after the timings")
+              f"{llc >> 20} MiB LLC), 64 KiB pieces; bytes read + written; fastest of 7 calls; the best of the "
+              "probes before the timings, just before each row held to it and after them")
     L += ["", "## Roofline (measured in this run)", "", "| quantity | value | how |", "|---|---:|---|",
           f"| read-modify-write bandwidth | {fmt(roof.get('rmw_bandwidth_gbs'), '.1f')} GB/s | the decode's access "
-          f"pattern: each slot read and written back in place; {bw_how} ({_runs(roof.get('rmw_bandwidth_runs'))}) |",
+          f"pattern: each slot read and written back in place; {bw_how} ({_runs(roof, 'rmw_bandwidth')}) |",
           f"| read bandwidth | {fmt(roof.get('read_bandwidth_gbs'), '.1f')} GB/s | a sum over the buffer; same probe "
-          f"({_runs(roof.get('read_bandwidth_runs'))}) |",
+          f"({_runs(roof, 'read_bandwidth')}) |",
           f"| copy bandwidth | {fmt(roof.get('copy_bandwidth_gbs'), '.1f')} GB/s | dst = src, the stores' "
-          f"read-for-ownership not counted; same probe ({_runs(roof.get('copy_bandwidth_runs'))}) |",
+          f"read-for-ownership not counted; same probe ({_runs(roof, 'copy_bandwidth')}) |",
           f"| f32 FMA peak | {fmt(roof.get('fma_peak_gflops'), '.1f')} GFLOP/s | `fma_probe` of the {env.get('isa')} "
-          f"kernels, {roof.get('threads')} threads; best of before / after ({_runs(roof.get('fma_peak_runs'))}) |",
+          f"kernels, {roof.get('threads')} threads; best of the probes as above ({_runs(roof, 'fma_peak')}) |",
           f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
           f"{roof.get('bf16_dot_peak_source', '-')} |", "",
           "Decode and spec rows report state bytes moved per second (read + written) against the "

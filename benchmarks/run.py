@@ -55,6 +55,10 @@ import vllm_compare as vc  # noqa: E402
 H, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * H * K + HV * V
 LLC_BYTES = roofline.LLC_BYTES
+# Each probe of the roofline: its readings (`<key>_runs`, with `<key>_when`: before / beside a row /
+# after) and the results.json key of their best.
+ROOF_PROBES = {**{f"{k}_bandwidth": f"{k}_bandwidth_gbs" for k in roofline.BANDWIDTH_MODES},
+               "fma_peak": "fma_peak_gflops"}
 
 # --- timing ------------------------------------------------------------------------------------
 
@@ -398,12 +402,14 @@ def quietest(measure, attempts):
     return best
 
 
-def run_ops(quick, impls, target):
+def run_ops(quick, impls, target, probe_beside=None):
     rows = []
     all_cases = cases(quick)
     for n, c in enumerate(all_cases, 1):
         row = dict(op=c["op"], case=c["case"], state=c["state"], x=c["x"], unit=c["unit"],
                    vllm_case=c["vllm"][0] if c["vllm"] else None)
+        if probe_beside is not None:
+            probe_beside(row)
         for impl in impls:
             if c["impls"] and impl not in c["impls"]:
                 continue
@@ -747,7 +753,7 @@ def step_overhead_name(case):
     return f"{case['case']}_{'f32' if case['state'] == 'fp32' else 'bf16'}"
 
 
-def run_layer(quick, target, baseline_path, no_wait):
+def run_layer(quick, target, baseline_path, no_wait, probe_beside=None):
     bl = load_baseline(baseline_path)
     if bl is None:
         print(f"(no jnp baseline at {os.path.abspath(baseline_path)}: layer rows without it)", flush=True)
@@ -761,6 +767,8 @@ def run_layer(quick, target, baseline_path, no_wait):
         call = case["setup"]()
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
                    work=case["work"], vllm_case=case["vllm"][0])
+        if probe_beside is not None:
+            probe_beside(row)
         row["native"] = layer_step(call, target, case["tokens"])
         row["empty_call_ms"] = empty
         row["native_interleaved"], row["native_b2b_pair"], prog = interleaved_step(call, target, case["tokens"])
@@ -975,18 +983,24 @@ def main(argv=None):
             vllm["harness_error"] = run_info.get("error")
 
     t_run = _RUN_T0[0] = time.perf_counter()  # our timings (vLLM's harness, above, not counted)
-    roof = dict(threads=threads, fma_peak_runs=[], llc_bytes=roofline.LLC_BYTES,
-                bandwidth_buffer_bytes=8 * roofline.LLC_BYTES,
-                **{f"{k}_bandwidth_runs": [] for k in roofline.BANDWIDTH_MODES})
+    roof = dict(threads=threads, llc_bytes=roofline.LLC_BYTES, bandwidth_buffer_bytes=8 * roofline.LLC_BYTES,
+                **{f"{k}_{x}": [] for k in ROOF_PROBES for x in ("runs", "when")})
+
+    def record(key, value, when):
+        """One probe's reading; the roofline is the best any probe of the run saw (a ceiling: no
+        kernel beats the machine, and a slower reading is others' load)."""
+        roof[f"{key}_runs"].append(value)
+        roof[f"{key}_when"].append(when)
+        roof[ROOF_PROBES[key]] = max(roof[f"{key}_runs"])
+        if key == "fma_peak" and roof.get("bf16_dot_peak_source", "").startswith("= f32"):
+            roof["bf16_dot_peak_gflops"] = roof["fma_peak_gflops"]  # no bf16 dot instruction: the same peak
 
     def measure_roofline(when):
-        """Measured before and after the timings; the best of the two counts (others share the cores)."""
+        """All probes, before and after the timings."""
         bws = roofline.bandwidths()
         for k, v in bws.items():
-            roof[f"{k}_bandwidth_runs"].append(v)
-            roof[f"{k}_bandwidth_gbs"] = max(roof[f"{k}_bandwidth_runs"])
-        roof["fma_peak_runs"].append(roofline.fma_peak_gflops(threads))
-        roof["fma_peak_gflops"] = max(roof["fma_peak_runs"])
+            record(f"{k}_bandwidth", v, when)
+        record("fma_peak", roofline.fma_peak_gflops(threads), when)
         roof["bf16_dot_peak_gflops"], roof["bf16_dot_peak_source"] = roofline.bf16_dot_peak(env["isa"], threads,
                                                                                           roof["fma_peak_gflops"])
         print(f"# roofline ({when}): bandwidth (read + written, XLA's pool) read-modify-write {bws['rmw']:.1f} "
@@ -994,9 +1008,20 @@ def main(argv=None):
               f"GFLOP/s ({env['isa']}, {threads} threads), bf16 dot peak "
               f"{report.fmt(roof['bf16_dot_peak_gflops'], '.1f')} ({roof['bf16_dot_peak_source']})", flush=True)
 
+    def probe_beside(row):
+        """The probe of the roofline a row is held to, again just before the row: a shared host's memory
+        bandwidth moves by the minute (one Zen 5 run: rmw 78.4 GB/s before the timings, 66.2 after, and
+        a decode row between them at 81.5), so two probes minutes away from a row are no ceiling for it."""
+        if row.get("unit") == "flops":
+            record("fma_peak", roofline.fma_peak_gflops(threads), "beside")
+        elif row.get("unit") == "bytes" and report.bandwidth_kind(row) is not None:
+            kind = report.bandwidth_kind(row)
+            record(f"{kind}_bandwidth", roofline.bandwidth_gbs(kind), "beside")
+
     measure_roofline("before")
-    ops_rows = run_ops(args.quick, impls, target) if "ops" in sections else []
-    layer_rows = run_layer(args.quick, target, baseline_path, args.quick or args.no_wait) if "layer" in sections else []
+    ops_rows = run_ops(args.quick, impls, target, probe_beside) if "ops" in sections else []
+    layer_rows = (run_layer(args.quick, target, baseline_path, args.quick or args.no_wait, probe_beside)
+                  if "layer" in sections else [])
     if (ops_rows or layer_rows) and not args.quick:
         measure_roofline("after")
 

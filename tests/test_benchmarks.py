@@ -101,6 +101,33 @@ def test_quick_json_has_every_section_and_positive_times(quick_run):
         assert "native" in r, r
 
 
+def test_roofline_probed_beside_each_row_held_to_it(quick_run):
+    """Every row graded against a bandwidth or the FMA peak has that probe again just before it, and the
+    roofline is the best reading of the run (a probe minutes away is no ceiling on a shared host)."""
+    res, roof = quick_run["res"], quick_run["res"]["roofline"]
+    rows = res["ops"] + res["layer"]
+    want = {"rmw_bandwidth": sum(r["unit"] == "bytes" and report.bandwidth_kind(r) == "rmw" for r in rows),
+            "copy_bandwidth": sum(r["unit"] == "bytes" and report.bandwidth_kind(r) == "copy" for r in rows),
+            "read_bandwidth": 0, "fma_peak": sum(r["unit"] == "flops" for r in rows)}
+    assert want["rmw_bandwidth"] >= 2 and want["copy_bandwidth"] >= 1 and want["fma_peak"] >= 2, want
+    for key, n in want.items():
+        runs, whens = roof[f"{key}_runs"], roof[f"{key}_when"]
+        assert whens[0] == "before" and whens.count("beside") == n and len(runs) == len(whens), (key, whens)
+        best = roof["fma_peak_gflops" if key == "fma_peak" else key + "_gbs"]
+        assert best == max(runs) and all(v > 0 for v in runs), (key, runs)
+    assert f"beside {want['rmw_bandwidth']} rows " in quick_run["md"]
+
+
+def test_probe_readings_as_the_report_lists_them():
+    roof = {"rmw_bandwidth_runs": [78.4, 70.0, 81.0, 66.2], "rmw_bandwidth_when": ["before", "beside", "beside", "after"],
+            "fma_peak_runs": [500.0, 510.0], "fma_peak_when": ["before", "beside"],
+            "copy_bandwidth_runs": [30.0, 31.0]}  # a results.json from before the probes beside the rows
+    assert report._runs(roof, "rmw_bandwidth") == "before 78.4, beside 2 rows 70.0-81.0, after 66.2"
+    assert report._runs(roof, "fma_peak") == "before 500.0, beside 1 row 510.0"
+    assert report._runs(roof, "copy_bandwidth") == "30.0 / 31.0"
+    assert report._runs(roof, "read_bandwidth") == ""
+
+
 def test_ratio_columns_come_from_the_measured_medians(quick_run):
     res = quick_run["res"]
     for r in res["ops"]:
