@@ -337,7 +337,8 @@ def markdown(res, md_dir):
     flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in env.get("flags", {}).items())
     cpu = env.get("cpu_model") or "?"
     topo = ", ".join(f"{k.replace('lscpu_', '').replace('_', ' ')} {env[k]}" for k in
-                     ("lscpu_threads_per_core", "lscpu_cores_per_socket", "lscpu_sockets", "lscpu_l3_cache",
+                     ("lscpu_cpu_family", "lscpu_model", "lscpu_threads_per_core", "lscpu_cores_per_socket",
+                      "lscpu_sockets", "lscpu_l3_cache",
                       "lscpu_hypervisor_vendor") if env.get(k))
     fc = [st.get("foreign_cores") for r in res.get("ops", []) + res.get("layer", [])
           for st in (r.get("native"), r.get("reference"), r.get("jnp_baseline")) if st and st.get("foreign_cores") is not None]

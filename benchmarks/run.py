@@ -877,8 +877,8 @@ def machine_info():
         for line in txt.splitlines():
             k, _, v = line.partition(":")
             k, v = k.strip(), v.strip()
-            if k in ("Model name", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "L3 cache",
-                     "Hypervisor vendor"):
+            if k in ("Model name", "CPU family", "Model", "Thread(s) per core", "Core(s) per socket", "Socket(s)",
+                     "L3 cache", "Hypervisor vendor"):
                 info["lscpu_" + k.lower().replace("(s)", "s").replace(" ", "_")] = v
     except (OSError, subprocess.SubprocessError):
         pass

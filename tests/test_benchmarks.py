@@ -652,6 +652,15 @@ def test_median_of_runs_lists_every_target_and_grades_three_clean_runs(tmp_path,
     rows = table([run(1.2), run(0.80), run(0.90), run(0.88)])
     b8 = rows["decode_b8 fp32 alone"]
     assert "| probe wrong | 80% | 90% | 88% |" in b8 and "probe wrong (run 1): not graded" in b8
+    # the CPU line names family and model: a Zen 4 and a Zen 5 both read "AMD EPYC" behind KVM
+    res = report.grade(_res(env=dict(isa="avx512bf16", cpu_model="AMD EPYC", logical_cpus=2, lscpu_cpu_family="26",
+                                     lscpu_model="2")))
+    paths = [tmp_path / f"fam{i}.json" for i in range(3)]
+    for p in paths:
+        p.write_text(json.dumps(res))
+    monkeypatch.setattr(sys, "argv", ["median_of_runs.py"] + [str(p) for p in paths])
+    mor.main()
+    assert "CPU: AMD EPYC (family 26 model 2; 2 logical CPUs;" in capsys.readouterr().out
 
 
 def test_llc_size_is_read_from_sysfs(tmp_path):
