@@ -49,6 +49,7 @@ from gdn_jax import paths  # noqa: E402
 F32 = jnp.float32
 CFG = GDNConfig(4, 8, 16, 16, num_spec=2, act_dtype=F32)           # D = 256, G = 2
 CFG_DS = GDNConfig(4, 8, 16, 32, num_spec=2, act_dtype=F32, conv_state_layout="DS", conv_width=3)
+CFG_G3 = GDNConfig(4, 12, 16, 16, num_spec=2, act_dtype=F32)       # G = 3 (--model-type qwen3_5)
 N, T, S = 8, 96, 4           # per data shard: slots, token bucket, row bucket
 TOL = 1e-6                   # the bound against the unsharded engine (f32)
 HIDDEN, LAYER = 64, 1        # the layer's hidden size; its index in the test checkpoint
@@ -524,19 +525,24 @@ def main():
     ap.add_argument("--reference-on", default="2x2", help="meshes also checked against the unsharded reference "
                                                           "(comma-separated; 'none')")
     ap.add_argument("--layout", default="SD")
+    ap.add_argument("--model-type", default="qwen3_next", choices=["qwen3_next", "qwen3_5"],
+                    help="the layer's checkpoint family; qwen3_5 runs a G = 3 config (its own checkpoint "
+                         "unless --ckpt names one)")
     ap.add_argument("--ckpt", default=None, help="layer checkpoint directory (written if missing)")
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
     core = CFG if args.layout == "SD" else CFG_DS
+    if args.model_type == "qwen3_5":
+        core = dataclasses.replace(CFG_G3, conv_state_layout=core.conv_state_layout, conv_width=core.conv_width)
     fam = Family("core", core)
     if args.what == "layer":
         from gdn_jax.layer import GDNLayerConfig
         if args.ckpt is None:
             scratch = tempfile.TemporaryDirectory(prefix="gdn_shard_ckpt_")     # removed at exit
             args.ckpt = scratch.name
-        fam = Family("layer", GDNLayerConfig(hidden_size=HIDDEN, core=core, model_type="qwen3_next"), args.ckpt)
+        fam = Family("layer", GDNLayerConfig(hidden_size=HIDDEN, core=core, model_type=args.model_type), args.ckpt)
         if args.mode != "dist" and not os.path.exists(os.path.join(fam.ckpt, "config.json")):
             write_checkpoint(fam.ckpt, fam.cfg)
     if args.mode == "write-checkpoint":
