@@ -374,6 +374,8 @@ class GDNAttention:
         ``[acc-1, acc-1+W-1)``. Afterwards the request continues with ``num_accepted = 1``
         (plain decode, or spec). In place (the cache is donated): an index-scatter of the SSM
         states (ops.copy_slots, a memcpy per row) and the conv update op for the windows.
+        Call it once per verify step: a second call with the same ``acc > 1`` moves the conv
+        window again (``acc = 1`` leaves a row as it is).
 
         Args:
           cache: GDNCache (donated). spec_state_indices: [S, num_spec + 1] int32 (the
