@@ -80,7 +80,8 @@ def test_layer_mesh_tp2_tp4_data2_tp2_match_unsharded_layer_and_reference(checkp
 @needs_native
 def test_layer_mesh_qwen3_5_three_value_heads_per_key_head():
     """A Qwen3.5 checkpoint (separate in_proj_qkv / z / b / a) with G = 3 on tp = 2, tp = 4 and
-    data 2 x tp 2 meshes, each process reading its shards, against the single-device layer."""
+    data 2 x tp 2 meshes, each process reading its shards, against the single-device layer (and, for
+    2 x 2, its reference)."""
     _run("mesh", "--what", "layer", "--model-type", "qwen3_5", "--meshes", "2x1,4x1,2x2")
 
 
