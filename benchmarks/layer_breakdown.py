@@ -138,8 +138,9 @@ def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain",
     row = dict(model=name, case=f"{kind} {'B' if kind == 'decode' else 'T'}={n}", weights=weights, tokens=T, **t,
                parts=sum(v for k, v in t.items() if k != "step"), proj_gflops=gflops, proj_peak=gflops / peak,
                xla_proj=xla)
-    log(f"  {row['model']:<15} {row['case']:<14} {weights:<6} step {t['step']:9.2f} ms  in_proj {t['in_proj']:8.2f}"
-        f"  core {t['core']:8.2f}  norm {t['norm']:6.2f}  out_proj {t['out_proj']:8.2f}  projections "
+    # ms to the µs: a part of a tiny layer takes a few µs on a fast host (0.00 at two decimals)
+    log(f"  {row['model']:<15} {row['case']:<14} {weights:<6} step {t['step']:9.3f} ms  in_proj {t['in_proj']:8.3f}"
+        f"  core {t['core']:8.3f}  norm {t['norm']:6.3f}  out_proj {t['out_proj']:8.3f}  projections "
         f"{gflops:6.1f} GFLOP/s = {100 * row['proj_peak']:.0f}% of the bf16 peak")
     return row
 
@@ -194,8 +195,8 @@ def main(argv=None) -> int:
         lines[-2] += " projections on XLA's dot |"
         lines[-1] += "---|"
     for r in rows:
-        lines.append(f"| {r['model']} | {r['case']} | {r['weights']} | {r['step']:.2f} | {r['in_proj']:.2f} | "
-                     f"{r['core']:.2f} | {r['norm']:.2f} | {r['out_proj']:.2f} | {r['parts']:.2f} | "
+        lines.append(f"| {r['model']} | {r['case']} | {r['weights']} | {r['step']:.3f} | {r['in_proj']:.3f} | "
+                     f"{r['core']:.3f} | {r['norm']:.3f} | {r['out_proj']:.3f} | {r['parts']:.3f} | "
                      f"{r['proj_gflops']:.1f} | {100 * r['proj_peak']:.0f}% |"
                      + (f" {r['xla_proj']:.2f} |" if args.compare_xla else ""))
     with open(args.out, "w") as f:
