@@ -1012,10 +1012,10 @@ def main(argv=None):
         """The probe of the roofline a row is held to, again just before the row: a shared host's memory
         bandwidth moves by the minute (one Zen 5 run: rmw 78.4 GB/s before the timings, 66.2 after, and
         a decode row between them at 81.5), so two probes minutes away from a row are no ceiling for it."""
+        kind = report.bandwidth_kind(row) if row.get("unit") == "bytes" else None
         if row.get("unit") == "flops":
             record("fma_peak", roofline.fma_peak_gflops(threads), "beside")
-        elif row.get("unit") == "bytes" and report.bandwidth_kind(row) is not None:
-            kind = report.bandwidth_kind(row)
+        elif kind is not None:
             record(f"{kind}_bandwidth", roofline.bandwidth_gbs(kind), "beside")
 
     measure_roofline("before")
