@@ -198,12 +198,10 @@ _COMMON_KEYS = ("conv1d.weight", "conv1d.bias", "A_log", "dt_bias", "norm.weight
 def _check_given_config(ck: Checkpoint, c: GDNLayerConfig) -> None:
     """A config given to the loader must describe the checkpoint's layer: a head split whose
     tensor shapes happen to coincide (H=2, K=32 against H=4, K=16) would load as another layer."""
-    stored = load_layer_config(ck, act_dtype=c.act_dtype)
-    fields = (("hidden_size", "hidden_size"), ("linear_num_key_heads", "H"), ("linear_num_value_heads", "HV"),
-              ("linear_key_head_dim", "K"), ("linear_value_head_dim", "V"))
-    for name, attr in fields + (("linear_conv_kernel_dim", None),):
-        want = stored.core.W if attr is None else getattr(stored, attr)
-        got = c.core.W if attr is None else getattr(c, attr)
+    s = load_layer_config(ck, act_dtype=c.act_dtype)
+    for name, want, got in (("hidden_size", s.hidden_size, c.hidden_size), ("linear_num_key_heads", s.H, c.H),
+                            ("linear_num_value_heads", s.HV, c.HV), ("linear_key_head_dim", s.K, c.K),
+                            ("linear_value_head_dim", s.V, c.V), ("linear_conv_kernel_dim", s.core.W, c.core.W)):
         if want != got:
             raise CheckpointError(f"{ck.config_file}: the given config has {name} = {got}, the checkpoint's "
                                   f"config.json {want}")
