@@ -125,7 +125,12 @@ def main(argv=None) -> int:
                          "GDNLayerParams.packed) or Hugging Face's [out, in] layout")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tol", type=float, default=2e-2, help="max relative RMSE between the impls' logits")
+    ap.add_argument("--malloc", choices=["tuned", "system"], default="tuned",
+                    help="tuned: gdn_jax.tune_host_malloc() first, as a server would (README.md, Deployment); "
+                         "system: glibc's defaults")
     args = ap.parse_args(argv)
+    if args.malloc == "tuned":  # before any JAX work: big buffers reused instead of fresh pages each step
+        gdn_jax.tune_host_malloc()
     if args.quick:
         args.steps = min(args.steps, 12)
         args.tokens, args.rows, args.slots = 32, 4, 16

@@ -11,6 +11,7 @@ from ._ffi import available_isas, cpu_features, native_available, selected_isa, 
 from . import batch, paths, reference
 from .batch import BatchBuilder, BatchMetadata, HostBatch, Request, build_batch, from_vllm_metadata
 from .config import GDNCache, GDNConfig, GDNParams, zeros_pool
+from .host_memory import tune_host_malloc
 from .ops import (
     copy_slots,
     causal_conv1d_fwd,
@@ -75,6 +76,7 @@ __all__ = [
     "native_available",
     "selected_isa",
     "set_isa",
+    "tune_host_malloc",
     "use_isa",
     "zeros_pool",
 ]

@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from gdn_jax import host_memory
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
@@ -834,3 +836,21 @@ def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
     assert fj["handler_ms"] == pytest.approx((0.9 + 0.95) / 2)
     assert fj["to_handler_us"] == pytest.approx((100 + 50) / 2) and fj["return_us"] == pytest.approx((30 + 10) / 2)
     assert "to_handler_us" not in run._fork_join(calls)
+
+
+def test_host_malloc_times_both_settings_in_fresh_processes():
+    """benchmarks/host_malloc.py: one process per case and setting; the tuned one says it applied."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(BENCH, "host_malloc.py")
+    p = subprocess.run([sys.executable, script, "--rounds", "1", "--seconds", "0.05", "--cases", "gating_8192"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "gating_8192          system" in p.stdout and "gating_8192          tuned" in p.stdout
+    assert "| gating_8192 |" in p.stdout
+    child = subprocess.run([sys.executable, script, "--child", "gating_8192", "tuned", "--seconds", "0.05"],
+                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    row = json.loads(child.stdout.strip().splitlines()[-1])
+    assert row["applied"] == (host_memory._glibc() is not None) and row["calls"] >= 5 and row["ms"] > 0
+    bad = subprocess.run([sys.executable, script, "--cases", "nope"], capture_output=True, text=True, env=env,
+                         timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "--cases: unknown ['nope']" in bad.stderr
