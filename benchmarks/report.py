@@ -7,6 +7,18 @@ import os
 import statistics
 
 
+def malloc_note(malloc):
+    """How this run's process allocated (run.py --malloc), in words."""
+    if not malloc:
+        return "not recorded (glibc's defaults before --malloc came in)"
+    if malloc.get("applied"):
+        return ("glibc, set by `gdn_jax.tune_host_malloc()` (one heap, no block mapped on its own, 1 GiB kept at the "
+                "heap's top: README.md, Deployment); vLLM's harness the same")
+    if malloc.get("mode") == "tuned":
+        return "tuned requested, but the C library is not glibc: its defaults"
+    return "glibc's defaults (--malloc system), here and in vLLM's harness"
+
+
 def fmt(v, spec=".3f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -355,6 +367,7 @@ def markdown(res, md_dir):
           f"| CPU flags that matter | {flags} |",
           f"| gdn_jax ISA | {env.get('isa')} (available: {', '.join(env.get('available_isas', []))}) |",
           f"| software | jax {env.get('jax')}, python {env.get('python')} |",
+          f"| malloc | {malloc_note(env.get('malloc'))} |",
           f"| timing | ≥ {env.get('target_s')} s of calls per case (≥ 5 calls), jitted, caches donated; "
           f"{'quick mode; ' if env.get('quick') else ''}other processes used up to "
           f"{max(fc) if fc else '?'} cores during a measurement (shared machine; per row in results.json); "

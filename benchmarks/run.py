@@ -934,7 +934,12 @@ def main(argv=None):
                     help="the jnp baseline does not wait for a quiet machine to re-measure rows that other processes "
                          "disturbed (it does by default, up to 3 times; --quick implies --no-wait)")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+                    help="tuned (default): glibc malloc as gdn_jax.tune_host_malloc sets it, here and in vLLM's "
+                         "harness (README.md, Deployment); system: glibc's defaults on both sides")
     args = ap.parse_args(argv)
+    # First, before any JAX work: the settings hold for the arenas of threads that allocate later.
+    malloc = dict(mode=args.malloc, applied=gdn_jax.tune_host_malloc() if args.malloc == "tuned" else False)
     impls = args.impls.split(",")
     target = args.target_s if args.target_s is not None else (0.2 if args.quick else 1.0)
     sections = args.sections.split(",")
@@ -951,7 +956,7 @@ def main(argv=None):
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                quick=args.quick, target_s=target, sections=sections, impls=impls,
                op_attempts=1 if args.quick else OP_ATTEMPTS, op_foreign_max=OP_FOREIGN_MAX,
-               baseline_waits_for_quiet=not (args.quick or args.no_wait))
+               baseline_waits_for_quiet=not (args.quick or args.no_wait), malloc=malloc)
     print(f"# gdn_jax benchmarks  isa={env['isa']}  cpus={env['logical_cpus']}  jax={env['jax']}  "
           f"{env['cpu_model']}", flush=True)
 
@@ -971,7 +976,8 @@ def main(argv=None):
         run_info = vc.run_harness(args.vllm_python, harness, out_dir, quick=args.quick or args.vllm_quick,
                                   threads=threads,
                                   wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout,
-                                  sections=args.vllm_sections, retry_wait=args.vllm_retry_wait, out_name=out_name)
+                                  sections=args.vllm_sections, retry_wait=args.vllm_retry_wait, out_name=out_name,
+                                  tuned_malloc=malloc["applied"])
         print(f"# vLLM: {run_info['status']}" + (f" ({run_info.get('error')})" if run_info.get("error") else ""),
               flush=True)
         if not args.vllm_json:
@@ -1030,6 +1036,8 @@ def main(argv=None):
         attach_vllm(ops_rows, layer_rows, vjson, args.quick)
         vllm.update(vc.env_summary(vjson), avx512bf16_build=vc.is_avx512bf16_build(vjson),
                     errors=vc.Index(vjson).errors())
+        if vllm.get("tuned_malloc"):
+            vllm["malloc"] = "glibc, tuned as ours"
 
     env["duration_s"] = round(time.perf_counter() - t_run, 1)
     res = dict(env=env, roofline=roof, vllm=vllm, ops=ops_rows, layer=layer_rows, chunk=chunk_size_note())

@@ -21,6 +21,17 @@ import subprocess
 import sys
 import time
 
+# Runs a script after glibc's malloc got the settings of gdn_jax.tune_host_malloc (mallopt_settings,
+# formatted in), so that both sides of a comparison allocate alike: argv[1] is the script.
+TUNED_MALLOC_LAUNCHER = (
+    "import ctypes, runpy, sys\n"
+    "libc = ctypes.CDLL(None)\n"
+    "for name, param, value in {settings!r}:\n"
+    "    if libc.mallopt(param, value) != 1:\n"
+    "        sys.exit(f'mallopt({{name}}, {{value}}) failed')\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
 PACK_CALL = "ops.causal_conv1d_weight_pack(w)"
 PACK_HELPER = '''
 def _gdn_jax_vllm_conv_weight(ops, w):
@@ -105,13 +116,15 @@ def _run(cmd, log_path, timeout_s):
 
 
 def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, timeout_s=7200,
-                sections="decode,prefill,spec", retry_wait=None, out_name="vllm_results.json"):
+                sections="decode,prefill,spec", retry_wait=None, out_name="vllm_results.json", tuned_malloc=False):
     """Run the harness; returns a dict: status ('ok' | 'failed'), cmd, patched, json (parsed), log.
 
     sections: the harness sections to run (env is always added). retry_wait: seconds the harness
     waits for quiet before re-measuring a disturbed row (None: its own 120 s); set, the harness runs
     as a copy with that constant patched (on a shared host that is never quiet, 120 s per row makes
-    a full-mode run last hours). out_name: its JSON's name in out_dir."""
+    a full-mode run last hours). out_name: its JSON's name in out_dir. tuned_malloc: the harness runs
+    with glibc's malloc set as gdn_jax.tune_host_malloc sets ours (TUNED_MALLOC_LAUNCHER; it is told
+    --malloc system, so it keeps glibc)."""
     import json
 
     os.makedirs(out_dir, exist_ok=True)
@@ -152,6 +165,11 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
     if os.path.exists(out_json):
         os.remove(out_json)
     cmd = [python, script] + args
+    if tuned_malloc:
+        from gdn_jax.host_memory import mallopt_settings
+
+        cmd = [python, "-c", TUNED_MALLOC_LAUNCHER.format(settings=mallopt_settings())] + cmd[1:]
+    info["tuned_malloc"] = bool(tuned_malloc)
     info["cmd"] = shlex.join(cmd)
     rc = _run(cmd, log_path, timeout_s)
     info["rc"] = rc

@@ -270,6 +270,9 @@ def test_report_and_plots(quick_run):
     assert res["env"]["isa"] in md and res["env"]["command"] in md
     assert md.count("| decode |") >= 1
     assert "The step inside one program" in md and "| to handler µs |" in md
+    # The run tunes glibc's malloc by default (--malloc tuned) and says so.
+    assert res["env"]["malloc"] == dict(mode="tuned", applied=host_memory._glibc() is not None)
+    assert ("| malloc | glibc, set by `gdn_jax.tune_host_malloc()`" in md) == res["env"]["malloc"]["applied"]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -377,6 +380,36 @@ def test_run_harness_patches_on_the_fly(tmp_path):
     info = vc.run_harness(sys.executable, str(bad), str(out), quick=False)
     assert info["status"] == "failed" and "boom" in info["error"] and not info["patched"]
     assert info["cmd"].split()[1] == str(bad)                       # nothing to patch: run as it is
+
+
+FAULTS_STUB = """import resource
+import numpy as np
+def _block_faults():
+    # Median page faults of a 64 MiB block allocated, written and freed, after 20 rounds.
+    counts = []
+    for i in range(29):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        a = np.empty(16 << 20, np.float32)
+        a.fill(1.0)
+        del a
+        if i >= 20:
+            counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return float(np.median(counts))
+"""
+
+
+@pytest.mark.skipif(host_memory._glibc() is None, reason="the tuned launcher sets glibc's malloc")
+def test_run_harness_with_tuned_malloc_as_ours(tmp_path):
+    """tuned_malloc: the harness runs as __main__ with its arguments after glibc got our settings
+    (its 64 MiB blocks reused, not mapped afresh each time); without, glibc's defaults."""
+    h = tmp_path / "bench_vllm_cpu.py"
+    _fake_harness(h, top=FAULTS_STUB, dump="dict(results=[], malloc=args.malloc, quick=args.quick, faults=_block_faults())")
+    tuned = vc.run_harness(sys.executable, str(h), str(tmp_path / "t"), quick=True, tuned_malloc=True)
+    plain = vc.run_harness(sys.executable, str(h), str(tmp_path / "p"), quick=True)
+    assert tuned["status"] == "ok" and plain["status"] == "ok", (tuned, plain)
+    assert tuned["tuned_malloc"] is True and plain["tuned_malloc"] is False
+    assert tuned["json"]["malloc"] == plain["json"]["malloc"] == "system" and tuned["json"]["quick"] is True
+    assert tuned["json"]["faults"] < 4 <= 16 <= plain["json"]["faults"], (tuned["json"], plain["json"])
 
 
 def test_load_json_merges_runs_later_rows_win(tmp_path):
