@@ -2,6 +2,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -37,6 +38,36 @@ inline bool advise_huge_pages(void* p, size_t bytes) {
   (void)bytes;
   return false;
 #endif
+}
+
+// The largest CPU cache of cpu0 in bytes (the last level), from Linux's sysfs; 32 MiB where it
+// cannot be read. Read once.
+inline uint64_t last_level_cache_bytes() {
+  static const uint64_t bytes = [] {
+    uint64_t best = 0;
+    int best_level = -1;
+    for (int i = 0; i < 16; ++i) {
+      char path[96];
+      int level = 0;
+      unsigned long long size = 0;
+      char unit = 0;
+      std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+      FILE* f = std::fopen(path, "r");
+      if (!f) continue;
+      const bool got_level = std::fscanf(f, "%d", &level) == 1;
+      std::fclose(f);
+      std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+      f = std::fopen(path, "r");
+      if (!f) continue;
+      const int got = std::fscanf(f, "%llu%c", &size, &unit);
+      std::fclose(f);
+      if (!got_level || got < 1) continue;
+      const uint64_t b = size << (unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : 0);
+      if (level > best_level || (level == best_level && b > best)) best_level = level, best = b;
+    }
+    return best > 0 ? best : uint64_t(32) << 20;
+  }();
+  return bytes;
 }
 
 }  // namespace gdn

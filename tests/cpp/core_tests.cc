@@ -359,6 +359,43 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
 // x D x W = 32 Ki: under kConvUpdateSerialWork, so the caller runs it alone, no parallel-for) and
 // B = 9 (two row groups, 32 channel blocks: parallel) give the bits of the serial run. The rows'
 // slots are distinct; a padding row (B = 9) and two tokens past the last row get zero outputs.
+// conv_fwd with stream_y (the handler's choice for a y larger than half the LLC): the same bits
+// as plain stores, on 4 threads, with several sequences, an uncovered token and a padding row;
+// and a y that is not 64-byte aligned, where the kernel must fall back to plain stores.
+void test_conv_stream(const KernelTable& kt, DType act, std::mt19937& rng) {
+  const int64_t D = 288, W = 4, L = W - 1, N = 4;  // 256 + 32 channels: a short last channel block
+  const std::vector<int32_t> qsl = {0, 70, 71, 140, 203};
+  const std::vector<int32_t> idx = {2, 0, -1, 3};
+  const std::vector<uint8_t> has_init = {1, 0, 1, 1};
+  const int64_t S = 4, T = 205;
+  const size_t es = act == DType::f32 ? 4 : 2;
+  const Act x(T * D, rng), wa(D * W, rng, 0.5), pool(N * L * D, rng);
+  ConvArgs p{};
+  p.act = act; p.x = x.ptr(act); p.weight = wa.ptr(DType::bf16); p.bias = nullptr;
+  p.weight_dtype = DType::bf16; p.bias_dtype = DType::bf16;
+  p.T = T; p.D = D; p.W = W; p.silu = true; p.N = N; p.L = L;
+  p.slot_stride = L * D; p.time_stride = D; p.chan_stride = 1;
+  p.query_start_loc = qsl.data(); p.state_indices = idx.data();
+  p.has_initial_state = reinterpret_cast<const bool*>(has_init.data()); p.S = S;
+  ThreadedParallel tp{4};
+  auto run = [&](bool stream, size_t offset, std::vector<uint8_t>& y, std::vector<uint8_t>& st) {
+    std::vector<uint8_t> buf(T * D * es + 128, 0xcd);
+    uint8_t* yp = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64 + offset;
+    st.resize(N * L * D * es);
+    std::memcpy(st.data(), pool.ptr(act), st.size());
+    p.y = yp; p.conv_state = st.data(); p.stream_y = stream;
+    kt.conv_fwd(p, tp.par());
+    y.assign(yp, yp + T * D * es);
+  };
+  std::vector<uint8_t> y0, s0, y1, s1, y2, s2;
+  run(false, 0, y0, s0);
+  run(true, 0, y1, s1);
+  run(true, 16, y2, s2);
+  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " f32" : " bf16");
+  check_true("conv_fwd stream_y = plain stores " + tag, y0 == y1 && s0 == s1);
+  check_true("conv_fwd stream_y, y not 64-byte aligned " + tag, y0 == y2 && s0 == s2);
+}
+
 void test_conv_update_threads(const KernelTable& kt, DType act, std::mt19937& rng) {
   const int64_t D = 8192, W = 4, L = W - 1, N = 12;
   const Act wa(D * W, rng, 0.5), ba(D, rng, 0.5), pool(N * L * D, rng);
@@ -1483,6 +1520,7 @@ int main() {
           for (DType wdt : {DType::f32, DType::bf16})
             for (bool has_bias : {true, false}) test_conv(kt, act, ds, W, wdt, has_bias, rng);
       test_conv_update_threads(kt, act, rng);
+      test_conv_stream(kt, act, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng);
       for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_nonfinite(kt, act, sdt, rng);
       // The chunk at Qwen3-Next head dims (K = V = 128: GEMM depths of 128, 8 panels).

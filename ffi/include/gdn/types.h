@@ -83,6 +83,7 @@ struct ConvArgs {
   const int32_t* num_accepted;     // [S]   (conv_update only; window starts at row acc-1)
   int64_t S;
   RowFilter rows;                  // all rows unless a serving step says otherwise
+  bool stream_y = false;           // conv_fwd: y with non-temporal stores (too large to stay cached for its reader)
 };
 
 // Token recurrence with fused gating: plain decode (one token per row, one index column,

@@ -23,6 +23,9 @@ static ffi::Error ConvFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   p.state_indices = state_indices.typed_data();
   p.has_initial_state = has_initial_state.typed_data();
   p.num_accepted = nullptr;
+  // Larger than half the LLC, y would not stay cached for its reader beside x: streamed, it
+  // saves the write-allocate reads of its lines (ffi/README.md, "Causal conv1d").
+  p.stream_y = uint64_t(y->size_bytes()) > last_level_cache_bytes() / 2;
   Status s = check_query_start_loc(p.query_start_loc, p.S, p.T);
   if (s.ok()) s = check_slots(p.state_indices, p.S, p.N);
   if (accept_batch(s, status, y)) current_table().conv_fwd(p, make_parallel(&pool));

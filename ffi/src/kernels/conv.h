@@ -154,11 +154,14 @@ inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp
 // with the next vector's loads and taps, and its constants were re-broadcast per vector; here
 // the iterations are independent and the constants stay in registers (ffi/README.md, "Causal
 // conv1d", the activation pass). Same bits as conv_act inside conv_tokens.
-template <class T, bool SILU>
+template <class T, bool SILU, bool STREAM = false>
 inline void conv_act_rows(const float* buf, int64_t buf_ld, T* y, int64_t y_ld, int64_t rows, int64_t nc) {
   for (int64_t r = 0; r < rows; ++r, buf += buf_ld, y += y_ld) {
     int64_t c = 0;
-    for (; c + kLanes <= nc; c += kLanes) vstore(y + c, conv_act<SILU, T>(vload(buf + c)));
+    for (; c + kLanes <= nc; c += kLanes) {
+      if constexpr (STREAM) vstream(y + c, conv_act<SILU, T>(vload(buf + c)));
+      else vstore(y + c, conv_act<SILU, T>(vload(buf + c)));
+    }
     if (c < nc) vstore_n(y + c, conv_act<SILU, T>(vload_n(buf + c, int(nc - c))), int(nc - c));
   }
 }
@@ -180,7 +183,7 @@ inline VF conv_fwd_xt(const ConvArgs& p, const T* x, const T* st, int64_t seq_st
 // yr, rows y_ld apart. Swept in runs of kConvRun tokens; within a run the channel vectors go
 // left to right (kConvRun contiguous row streams) and each slides its register window down
 // the run, seeded from the x rows above (or, at the sequence start, from the prior).
-template <class T, int W, bool SILU>
+template <class T, int W, bool SILU, bool STREAM = false>
 GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, int64_t t, int64_t e, int64_t c0,
                                 int64_t c1, T* yr, int64_t y_ld) {
   const T* x = static_cast<const T*>(p.x);
@@ -242,7 +245,7 @@ GDN_CONV_HOT void conv_fwd_part(const ConvArgs& p, const float* wt, int64_t s, i
                                            D, out_ld, count, n);
       }
     }
-    if constexpr (SILU) conv_act_rows<T, true>(pre, kConvChanBlock, yr, y_ld, count, nc);
+    if constexpr (SILU) conv_act_rows<T, true, STREAM>(pre, kConvChanBlock, yr, y_ld, count, nc);
   }
 }
 
@@ -258,6 +261,7 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
   if (t0 >= tz) return;
   alignas(64) float wt[conv_param_rows(W) * kConvChanBlock];
   conv_params_t<W>(p, c0, c1, wt);
+  const bool stream = SILU && p.stream_y;
   // First sequence holding token t0: qsl[s] <= t0 < qsl[s+1].
   int64_t lo = 0, hi = p.S;  // invariant: qsl[lo] <= t0 < qsl[hi]
   while (hi - lo > 1) {
@@ -274,9 +278,11 @@ GDN_CONV_HOT void conv_fwd_block(const ConvArgs& p, int64_t t0, int64_t t1, int6
       continue;
     }
     if (p.state_indices[s] < 0) conv_zero_rows(y, D, t, e, c0, c1);
+    else if (stream) conv_fwd_part<T, W, SILU, true>(p, wt, s, t, e, c0, c1, y + t * D + c0, D);
     else conv_fwd_part<T, W, SILU>(p, wt, s, t, e, c0, c1, y + t * D + c0, D);
     t = e;
   }
+  if (stream) vstream_fence();
 }
 
 // Any W (slow; the public ops only allow 2..4): taps and x~ fetched per use; conv_fwd_part's
@@ -423,8 +429,17 @@ ConvPart<T> conv_part(const ConvArgs& p) {
   return r;
 }
 
+// p.stream_y (the handler's choice: y larger than half the last-level cache) where y's rows allow
+// aligned vectors; only the SiLU's activation pass streams (conv_act_rows).
 template <class T>
-void conv_fwd_impl(const ConvArgs& p, const Parallel& par) {
+inline bool conv_stream_y(const ConvArgs& p) {
+  return p.stream_y && p.silu && reinterpret_cast<uintptr_t>(p.y) % 64 == 0 && (p.D * int64_t(sizeof(T))) % 64 == 0;
+}
+
+template <class T>
+void conv_fwd_impl(const ConvArgs& p_in, const Parallel& par) {
+  ConvArgs p = p_in;
+  p.stream_y = conv_stream_y<T>(p);
   auto outputs = [&](auto block) { conv_grid(p, par, p.T, kConvTokBlock, block); };
   conv_by_width(
       p, [&](auto w, auto silu) { outputs(conv_fwd_block<T, decltype(w)::value, decltype(silu)::value>); },
