@@ -58,6 +58,10 @@ def main():
     args = ap.parse_args()
     runs = [report.grade(json.load(open(p))) for p in args.runs]
     env = runs[0]["env"]
+    mallocs = [r["env"].get("malloc") for r in runs]
+    if any(m != mallocs[0] for m in mallocs):  # a median over both allocators would mix two conditions
+        ap.error("the runs differ in their allocator (run.py --malloc): "
+                 + "; ".join(f"{p}: {report.malloc_note(m)}" for p, m in zip(args.runs, mallocs)))
     fam = (f"family {env['lscpu_cpu_family']} model {env.get('lscpu_model', '?')}; "
            if env.get("lscpu_cpu_family") else "")  # what tells a Zen 4 from a Zen 5 behind KVM's "AMD EPYC"
     lines = ["# Issue-20 targets, median of runs", "",
@@ -66,7 +70,7 @@ def main():
              "is computed within its run (ratios and fractions of that run's roofline); a target is graded on "
              f"the median of at least {MIN_RUNS} runs' values, none of them above its roofline. Values are "
              "rounded toward failing (down for ≥, up for ≤).", "",
-             f"CPU: {env.get('cpu_model', '-')} ({fam}{env.get('logical_cpus', '?')} logical CPUs; avx512f {env.get('flags', {}).get('avx512f')}); ISA {env.get('isa', '-')}; jax {env.get('jax', '-')}; runs at "
+             f"CPU: {env.get('cpu_model', '-')} ({fam}{env.get('logical_cpus', '?')} logical CPUs; avx512f {env.get('flags', {}).get('avx512f')}); ISA {env.get('isa', '-')}; jax {env.get('jax', '-')}; malloc: {report.malloc_note(env.get('malloc'))}; runs at "
              + ", ".join(r["env"].get("date", "?") for r in runs) + ".", "",
              "| target | case | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median | target | status |",
              "|---|---|" + "---:|" * len(runs) + "---:|---:|---|"]

@@ -695,7 +695,15 @@ def test_median_of_runs_lists_every_target_and_grades_three_clean_runs(tmp_path,
         p.write_text(json.dumps(res))
     monkeypatch.setattr(sys, "argv", ["median_of_runs.py"] + [str(p) for p in paths])
     mor.main()
-    assert "CPU: AMD EPYC (family 26 model 2; 2 logical CPUs;" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CPU: AMD EPYC (family 26 model 2; 2 logical CPUs;" in out and "malloc: not recorded" in out
+    # runs under different allocators (run.py --malloc) are not one condition: refused
+    res["env"]["malloc"] = dict(mode="tuned", applied=True)
+    paths[2].write_text(json.dumps(res))
+    monkeypatch.setattr(sys, "argv", ["median_of_runs.py"] + [str(p) for p in paths])
+    with pytest.raises(SystemExit):
+        mor.main()
+    assert "differ in their allocator" in capsys.readouterr().err
 
 
 def test_llc_size_is_read_from_sysfs(tmp_path):
