@@ -10,14 +10,15 @@ T = 8192 prefill step (README.md, "Deployment: the host allocator", has the time
 :func:`tune_host_malloc` makes glibc serve every block, XLA's worker threads' too, from its
 main heap and keep up to ``trim_threshold_bytes`` of free memory at the heap's top, so that a
 step reuses the pages the previous step freed (after a few steps: the heap first grows to hold
-the blocks of consecutive steps side by side). The price is resident memory: the process keeps roughly its peak heap (a
-T = 8192 prefill step alone: 1.1 GiB resident against 0.78 GiB). The same settings without code,
-for any program, set before it starts::
+the blocks of consecutive steps side by side). The price is resident memory: the process keeps
+about its peak heap (measured: the core's prefill step at T = 8192 0.9 GiB against 0.78, the
+whole layer 1.0-1.5 GiB against 0.8). The same settings without code, for any program, set
+before it starts::
 
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1
 
-A preloaded tcmalloc reuses its memory as well (measured: ffi/README.md, Limits), and takes
-``mallopt`` as a no-op.
+With another allocator preloaded (tcmalloc) the settings reach nothing it uses; tcmalloc reuses
+its memory itself (ffi/README.md, Limits).
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Process-wide, so each case runs in a child process: a 64 MiB block allocated, written and freed
 over and over (NumPy), and a jitted step whose 64 MiB output XLA allocates per call, counted in
-page faults per round (ru_minflt, the median of 9 rounds after 20 of warm-up). Left alone, glibc maps each such
-block afresh: at least one fault per 2 MiB written (one per 4 KiB without huge pages). Tuned, the
-rounds reuse the heap, also for XLA's blocks, which its worker threads allocate.
+page faults per round (ru_minflt, the median of 9 rounds after 20 of warm-up). Left alone, glibc
+maps each such block afresh: at least one fault per 2 MiB written (one per 4 KiB without huge
+pages). Tuned, the rounds reuse the heap, also for XLA's blocks, which its worker threads allocate.
 """
 from __future__ import annotations
 
