@@ -20,12 +20,18 @@ void gating_impl(const GatingArgs& p, const Parallel& par) {
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
   const int64_t HV = p.HV;
+  // -exp(A_log) once per call, not per token: a third of the per-token exps (same bits).
+  std::vector<float> neg_decay_h(size_t((HV + kLanes - 1) / kLanes * kLanes));
+  for (int64_t h = 0; h < HV; h += kLanes) {
+    const int n = int(HV - h < kLanes ? HV - h : kLanes);
+    vstore(neg_decay_h.data() + h, vzero() - vexp(vload_n(p.A_log + h, n)));
+  }
   par(p.T, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t h = 0; h < HV; h += kLanes) {
         const int n = int(HV - h < kLanes ? HV - h : kLanes);
         const VF x = vload_n(a + t * HV + h, n) + vload_n(p.dt_bias + h, n);
-        const VF neg_decay = vzero() - vexp(vload_n(p.A_log + h, n));
+        const VF neg_decay = vload(neg_decay_h.data() + h);
         const VF sp = vsoftplus(x);
         vstore_n(p.g + t * HV + h, neg_decay * sp, n);
         const VF bb = vload_n(b + t * HV + h, n);
