@@ -317,18 +317,21 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
   }
 
   // Decay and causal masks. Gamma_ij = exp(Gc_i - Gc_j) only for j <= i (a non-positive
-  // exponent for a decay g <= 0); masked lanes get exp(-1000) = 0. Left of the diagonal block
-  // every lane is kept and Gc_i - Gc_j is formed in f32 vectors from Gc split as hi + lo
-  // (hi = float(Gc), lo = float(Gc - hi)): (hi_i - hi_j) + (lo_i - lo_j) is within 1.5 ulp of
-  // Gc_i - Gc_j (hi_i - hi_j is exact when they are within 2x, else rounded by half an ulp of
-  // a result of about the same size; the sum adds another half). The diagonal block builds its
-  // lanes one by one, masking j > i.
+  // exponent for a decay g <= 0); masked lanes get exp(-1000) = 0. Gc_i - Gc_j is formed in
+  // f32 vectors from Gc split as hi + lo (hi = float(Gc), lo = float(Gc - hi)):
+  // (hi_i - hi_j) + (lo_i - lo_j) is within 1.5 ulp of Gc_i - Gc_j (hi_i - hi_j is exact when
+  // they are within 2x, else rounded by half an ulp of a result of about the same size; the sum
+  // adds another half). In the diagonal block the lanes j > i become -1000 through a 0/1 vector
+  // (lanes built one by one there cost a store-forwarding stall per row: ~3% of the prefill
+  // step), so hi and lo are zero, not stale, past n.
   float* gh = b.gh;
   float* gl = b.gl;
   for (int i = 0; i < n; ++i) {
     gh[i] = float(Gc[i]);
     gl[i] = float(Gc[i] - double(gh[i]));
   }
+  for (int i = n; i < npad; ++i) gh[i] = gl[i] = 0.f;
+  static constexpr float kLaneOnes[kLanes] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   for (int i = 0; i < n; ++i) {
     const float* sq = b.SQ + i * C;
     const float* sk = b.SK + i * C;
@@ -342,9 +345,9 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
         vstore(pr + c, vload(sq + c) * gm);
         vstore(ar + c, vload(sk + c) * gm * bi);
       } else if (c / kLanes == nb - 1) {
-        float d[kLanes];
-        for (int l = 0; l < kLanes; ++l) d[l] = c + l <= i ? float(Gc[i] - Gc[c + l]) : -1000.f;
-        const VF gm = vexp(vload(d));
+        const VF keep = vload_n(kLaneOnes, i - c + 1);  // 1 for j <= i, else 0
+        const VF diff = (hi - vload(gh + c)) + (lo - vload(gl + c));
+        const VF gm = vexp(vfma(diff, keep, (keep - vset1(1.f)) * vset1(1000.f)));
         vstore(pr + c, vload(sq + c) * gm);
         vstore(ar + c, vload(sk + c) * gm * bi);
       } else {
