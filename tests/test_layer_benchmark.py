@@ -36,7 +36,20 @@ def test_linear_bench_quick():
     out = _quick_run("linear_bench.py")
     rows = [line.split("|")[1:-1] for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [int(r[0]) for r in rows] == [1, 9], out
-    for r in rows:
-        assert len(r) == 9 and all(float(v) > 0 for v in r[1:]), r   # times, ratio, rates, fractions
+    for r in rows:  # times, ratio, rates, fractions (a fraction above its probe says so instead)
+        assert len(r) == 9 and all(float(v) > 0 for v in r[1:6] + [r[7]]), r
+        assert all("probe wrong" in v or 0 < float(v) <= 100 for v in (r[6], r[8])), r
     assert re.search(r"bf16 peak \d+\.\d GFLOP/s \(.+\); read bandwidth \d+\.\d GB/s", out), out
     assert re.search(r"read bandwidth after the table \d+\.\d GB/s", out), out
+
+
+def test_linear_bench_refuses_a_share_above_its_probe():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import linear_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert linear_bench._share(88.5, 100.0) == "88.5"
+    assert linear_bench._share(100.0, 100.0) == "100"
+    cell = linear_bench._share(1060.0, 1031.0)
+    assert "probe wrong" in cell and "103%" in cell and not cell[0].isdigit()
