@@ -102,19 +102,22 @@ inline float bf16_dot_probe(int64_t iters) {
   return s;
 }
 #elif defined(__AVX512BF16__)
-// AVX512-BF16: 12 independent chains of vdpbf16ps (2 per cycle at a latency of ~6 needs 12),
-// each 16 lanes x 2 products.
+// AVX512-BF16: kBf16ProbeChains independent chains of vdpbf16ps, each 16 lanes x 2 products.
+// Two per cycle at a latency of ~6 (Zen 4) needs 12; Zen 5 needs 16: one thread in a stand-alone
+// loop reached 529 GFLOP/s with 12 chains, 575 with 16 (the same from 16 on while the chains stay
+// in registers), and the packed projection ran above the 12-chain probe (ffi/README.md, Limits).
 #define GDN_BF16_DOT_PROBE 1
-constexpr int64_t kBf16ProbeMacs = 12 * 16 * 2;
+constexpr int kBf16ProbeChains = 16;
+constexpr int64_t kBf16ProbeMacs = kBf16ProbeChains * 16 * 2;
 inline float bf16_dot_probe(int64_t iters) {
-  __m512 acc[12];
-  for (int j = 0; j < 12; ++j) acc[j] = _mm512_setzero_ps();
+  __m512 acc[kBf16ProbeChains];
+  for (int j = 0; j < kBf16ProbeChains; ++j) acc[j] = _mm512_setzero_ps();
   const __m512bh a = (__m512bh)_mm512_set1_epi16(short(kBf16ProbeOne));
   const __m512bh b = (__m512bh)_mm512_set1_epi16(short(kBf16ProbeTiny));
   for (int64_t i = 0; i < iters; ++i)
-    for (int j = 0; j < 12; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+    for (int j = 0; j < kBf16ProbeChains; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
   __m512 s = acc[0];
-  for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, acc[j]);
+  for (int j = 1; j < kBf16ProbeChains; ++j) s = _mm512_add_ps(s, acc[j]);
   return _mm512_reduce_add_ps(s);
 }
 #elif defined(GDN_ARM_BF16)
