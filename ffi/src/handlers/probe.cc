@@ -16,24 +16,40 @@ constexpr int64_t kPiece = 16384;  // floats: 64 KiB, one K = V = 128 f32 head
 typedef float V4 __attribute__((vector_size(16)));  // SSE2 / NEON width: every x86-64 and arm64 has it
 
 // One piece of n floats (a multiple of 32), eight vectors (two 64-byte lines) per iteration.
-float piece(int mode, const float* src, float* dst, int64_t n) {
+// The mode is a template parameter and the loops unrolled, so the eight vectors stay in
+// registers: with the mode tested inside the loop GCC kept them in a stack array, and the
+// probe's rmw became bound by its own store-forwarding round trips (88 GB/s on a Zen 5 whose
+// memory took 118 from a register loop: ffi/README.md, Limits).
+template <int kMode>
+float piece(const float* src, float* dst, int64_t n) {
   const V4 a = {0.5f, 0.5f, 0.5f, 0.5f}, b = a;
-  const float* in = mode == 2 ? src : dst;
+  const float* in = kMode == 2 ? src : dst;
   V4 s[8] = {};
   for (int64_t i = 0; i < n; i += 32) {
     V4 x[8];
-    std::memcpy(x, in + i, sizeof x);
-    if (mode == 1) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) std::memcpy(&x[j], in + i + 4 * j, sizeof(V4));
+    if constexpr (kMode == 1) {
+#pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) s[j] += x[j];
-      continue;
+    } else {
+      if constexpr (kMode == 0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) x[j] = x[j] * a + b;
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) std::memcpy(dst + i + 4 * j, &x[j], sizeof(V4));
     }
-    if (mode == 0)
-      for (int j = 0; j < 8; ++j) x[j] = x[j] * a + b;
-    std::memcpy(dst + i, x, sizeof x);
   }
   float t = 0.f;
   for (int j = 0; j < 8; ++j) t += s[j][0] + s[j][1] + s[j][2] + s[j][3];
   return t;
+}
+
+float piece(int mode, const float* src, float* dst, int64_t n) {
+  if (mode == 0) return piece<0>(src, dst, n);
+  if (mode == 1) return piece<1>(src, dst, n);
+  return piece<2>(src, dst, n);
 }
 
 ffi::Error BandwidthProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> src, ffi::Buffer<ffi::F32> dst,
