@@ -331,6 +331,7 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
     gl[i] = float(Gc[i] - double(gh[i]));
   }
   for (int i = n; i < npad; ++i) gh[i] = gl[i] = 0.f;
+  static_assert(kLanes == 16, "kLaneOnes below spells out 16 lanes");
   static constexpr float kLaneOnes[kLanes] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   for (int i = 0; i < n; ++i) {
     const float* sq = b.SQ + i * C;
