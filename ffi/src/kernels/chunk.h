@@ -236,6 +236,7 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
   const int64_t HV = p.HV, K = p.K, V = p.V;
   const int Ki = int(K);
   const int npad = (n + kLanes - 1) / kLanes * kLanes;
+  const int nfull = n / kLanes * kLanes;  // tokens in whole k^T panels
 
   for (int i = 0; i < n; ++i) {
     if (i < n_next) {
@@ -271,9 +272,14 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
       vstore(qc + c, vload(qr + c) * vset1(rq));
       vstore(kc + c, vload(kr + c) * vset1(rk));
     }
+    if (i < nfull) continue;  // whole panels: transposed in 16 x 16 blocks below
     float* kt = b.KcT + (i / kLanes) * K * kLanes + i % kLanes;  // panel i / 16, lane i % 16
     for (int c = 0; c < Ki; ++c) kt[c * kLanes] = kc[c];
   }
+  // k^T of whole panels in blocks (one scalar store per element and token cost ~1% of the
+  // prefill step on Zen 5: ffi/README.md, "The prefill step on Zen 5").
+  for (int p0 = 0; p0 < nfull; p0 += kLanes)
+    for (int c = 0; c < Ki; c += kLanes) vtranspose16(b.Kc + p0 * K + c, K, b.KcT + p0 * K + c * kLanes);
   if (n < npad) {
     float* kt = b.KcT + (n / kLanes) * K * kLanes;
     for (int c = 0; c < Ki; ++c)
@@ -331,7 +337,7 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
     gl[i] = float(Gc[i] - double(gh[i]));
   }
   for (int i = n; i < npad; ++i) gh[i] = gl[i] = 0.f;
-  static_assert(kLanes == 16, "kLaneOnes below spells out 16 lanes");
+  static_assert(kLanes == 16, "kLaneOnes below and vtranspose16 in chunk_prep spell out 16 lanes");
   static constexpr float kLaneOnes[kLanes] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   for (int i = 0; i < n; ++i) {
     const float* sq = b.SQ + i * C;

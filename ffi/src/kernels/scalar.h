@@ -16,6 +16,12 @@ inline bf16 to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return bf16{uint16_t(u >> 16)};
 }
+// dst[c * 16 + l] = src[l * ld + c] for c, l < 16: a 16 x 16 block transposed (vtranspose16 of
+// the back ends without a vector form).
+inline void transpose16_scalar(const float* src, int64_t ld, float* dst) {
+  for (int l = 0; l < 16; ++l)
+    for (int c = 0; c < 16; ++c) dst[c * 16 + l] = src[l * ld + c];
+}
 inline void store1(float* p, float x) { *p = x; }
 inline void store1(bf16* p, float x) { *p = to_bf16(x); }
 

@@ -107,6 +107,35 @@ inline void vstream(float* p, VF x) { _mm512_stream_ps(p, x.v); }
 inline void vstream(bf16* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), vf_to_bf16_bits(x)); }
 inline void vstream_fence() { _mm_sfence(); }
 
+// dst[c * 16 + l] = src[l * ld + c] for c, l < 16 (scalar.h's transpose16_scalar): 16 row loads,
+// four shuffle stages (32-bit, 64-bit, then 128-bit lanes twice), 16 stores.
+inline void vtranspose16(const float* src, int64_t ld, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
+  auto hi = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = lo(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = hi(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = lo(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = hi(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * 16, r[i]);
+}
+
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU. vexp clamps -x to <= 88.7, so below
 // x = -88 (true value under 1e-36 in magnitude) the quotient would be x / 3.4e38, not ~0:
 // those lanes become x * 0, which is -0, and NaN for x = -Inf as in float64 (-Inf / Inf) and

@@ -152,6 +152,7 @@ inline float vsum(VF a) {
 // orders them before later stores. Here: plain stores, nothing to fence.
 inline void vstream(float* p, VF x) { vstore(p, x); }
 inline void vstream(bf16* p, VF x) { vstore(p, x); }
+inline void vtranspose16(const float* src, int64_t ld, float* dst) { transpose16_scalar(src, ld, dst); }
 inline void vstream_fence() {}
 
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
