@@ -237,5 +237,6 @@ inline void vstream(float* p, VF x) {
 inline void vstream(bf16* p, VF x) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ps_to_bf16x16(x));
 }
-inline void vtranspose16(const float* src, int64_t ld, float* dst) { transpose16_scalar(src, ld, dst); }
 inline void vstream_fence() { _mm_sfence(); }
+// A 16 x 16 block transposed (chunk_prep's k^T): the scalar loop of scalar.h.
+inline void vtranspose16(const float* src, int64_t ld, float* dst) { transpose16_scalar(src, ld, dst); }

@@ -106,8 +106,9 @@ inline float vsum(VF a) {
 // threads may read the data). Here: plain stores, nothing to fence.
 inline void vstream(float* p, VF x) { vstore(p, x); }
 inline void vstream(bf16* p, VF x) { vstore(p, x); }
-inline void vtranspose16(const float* src, int64_t ld, float* dst) { transpose16_scalar(src, ld, dst); }
 inline void vstream_fence() {}
+// A 16 x 16 block transposed (chunk_prep's k^T): the scalar loop of scalar.h.
+inline void vtranspose16(const float* src, int64_t ld, float* dst) { transpose16_scalar(src, ld, dst); }
 
 // x * sigmoid(x) = x / (1 + e^-x), the conv's SiLU.
 inline VF vsilu(VF a) { return a / (vset1(1.f) + vexp(vzero() - a)); }
