@@ -143,6 +143,11 @@ def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
                      "GEMMs do not use (the accuracy budgets: ffi/README.md, Limits)")
     else:
         note = f"{rate:.1f} {unit} of the {row['roofline']}"
+    beside = row.get("probe_beside")
+    if beside and beside.get("value"):  # run.py: a bandwidth for a bytes row, the FMA peak for a flops row
+        # The run's best reading is the graded roofline; this one shows the row against the memory or
+        # clock of its own minute (a shared host's bandwidth moves ~2x between minutes).
+        note += f"; the probe just before the row read {beside['value']:.1f} {unit} ({100 * rate / beside['value']:.0f}% of it)"
     return add(target, case, row[f"{key}{suffix}"], thr, f"{100 * thr:.0f}%", note=note)
 
 

@@ -1020,9 +1020,13 @@ def main(argv=None):
         a decode row between them at 81.5), so two probes minutes away from a row are no ceiling for it."""
         kind = report.bandwidth_kind(row) if row.get("unit") == "bytes" else None
         if row.get("unit") == "flops":
-            record("fma_peak", roofline.fma_peak_gflops(threads), "beside")
+            key, value = "fma_peak", roofline.fma_peak_gflops(threads)
         elif kind is not None:
-            record(f"{kind}_bandwidth", roofline.bandwidth_gbs(kind), "beside")
+            key, value = f"{kind}_bandwidth", roofline.bandwidth_gbs(kind)
+        else:
+            return
+        record(key, value, "beside")
+        row["probe_beside"] = dict(key=key, value=value)  # the target's note: the row against its own minute
 
     measure_roofline("before")
     ops_rows = run_ops(args.quick, impls, target, probe_beside) if "ops" in sections else []
