@@ -183,10 +183,11 @@ def test_decode_accuracy(isa, dtypes, G, l2norm):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("KV", [(16, 16), (32, 48), (64, 80), (20, 24), (128, 128)],
+@pytest.mark.parametrize("KV", [(16, 16), (32, 48), (64, 80), (20, 24), (128, 128), (32, 160)],
                          ids=lambda kv: f"K{kv[0]}V{kv[1]}")
 def test_decode_head_dims(isa, KV):
-    """Full 32-column blocks, a 16-column tail, and K, V that are not multiples of 16."""
+    """Full 32-column blocks, a 16-column tail, K, V that are not multiples of 16, and (bf16 state on
+    AVX-512) 128-column blocks alone and with a 32-column block beside them."""
     K, V = KV
     rng = np.random.default_rng(K * 1000 + V)
     B, H, HV, N = 3, 1, 2, 4
@@ -266,10 +267,12 @@ def test_bf16_head_params(isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("state", [F32, BF16], ids=["state_f32", "state_bf16"])
-def test_decode_split_invariance(isa, state):
-    """Rows decoded together or one at a time give the same bits (the V split differs)."""
+@pytest.mark.parametrize("V", [128, 160])
+def test_decode_split_invariance(isa, state, V):
+    """Rows decoded together or one at a time give the same bits: the V split differs (one row is
+    cut into 32-column pieces for the threads; a batch of bf16 rows takes 128-column blocks on AVX-512)."""
     rng = np.random.default_rng(5)
-    B, H, HV, K, V, N = 6, 1, 2, 32, 128, 8
+    B, H, HV, K, N = 6, 1, 2, 32, 8
     j, _ = make_inputs(rng, B, H, HV, K, V, N, BF16, state)
     idx = np.array([3, 6, 0, 1, 7, 2], np.int32)
     with gdn_jax.use_isa(isa):

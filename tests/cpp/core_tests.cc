@@ -715,30 +715,43 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
   const bool f32all = act == DType::f32 && sdt == DType::f32;
   const int64_t es = act == DType::f32 ? 4 : 2;
 
-  // Spec verify: rows with q = {3, 1, 2}, acc = {2, 1, 3}, 3 columns; row 1 is padding.
-  if (with_spec) {
-    const RecRows rw{{0, 3, 4, 6}, {0, 1, 2, -1, -1, -1, 3, 4, 5}, {2, 1, 3}, 3, 7};
+  // One recurrence call on rows rw from the pool's states, checked against float64; `more` runs
+  // further checks on the call (its args, inputs, output and state).
+  auto rec_rows = [&](const char* what, const RecRows& rw, auto&& more) {
     const int64_t T = rw.T;
     Act q(T * H * K, rng), k(T * H * K, rng), v(T * HV * V, rng), a(T * HV, rng), b(T * HV, rng);
     const RecGates gt(HV);
     std::vector<uint8_t> o(T * HV * V * 4, 0xff), st = pool;
     const RecurrentArgs p = rec_args(act, sdt, q, k, v, a, b, gt, rw, st.data(), o.data(), N, H, HV, K, V, scale, eps);
     kt.recurrent(p, Parallel{});
-    check_mixed_qkv("recurrent spec, mixed qkv rows = dense " + tag, p, q, k, v, act, pool, o, st,
-                    [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
-    check_row_filter("recurrent spec, row filter " + tag, p, HV * V * es, pool, o, st,
-                     [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
-                     [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
-    check_pool_placement("recurrent spec, pool 64-byte aligned (streaming stores) and not " + tag, p, pool, o, st,
-                         [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
-                         [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
+    more(p, q, k, v, o, st);
     std::vector<double> orf, sref;
     rec_oracle(q, k, v, a, b, gt, rw, S0r, H, HV, K, V, scale, eps, orf, sref);
-    check("recurrent spec o     " + tag, rel_rmse(read_act(o.data(), act, T * HV * V), orf), f32all ? 1e-5 : 2e-3);
+    check(std::string("recurrent ") + what + " o     " + tag, rel_rmse(read_act(o.data(), act, T * HV * V), orf),
+          f32all ? 1e-5 : 2e-3);
     // bf16 state: one bf16 rounding per stored state per token (2^-9 relative, RMSE ~1.6e-3).
-    check("recurrent spec state " + tag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
+    check(std::string("recurrent ") + what + " state " + tag, rel_rmse(read_act(st.data(), sdt, S0.size()), sref),
           sdt == DType::bf16 ? 4e-3 : (act == DType::f32 ? 1e-5 : 1e-4));
-  }
+  };
+
+  // Spec verify: rows with q = {3, 1, 2}, acc = {2, 1, 3}, 3 columns; row 1 is padding.
+  if (with_spec)
+    rec_rows("spec", RecRows{{0, 3, 4, 6}, {0, 1, 2, -1, -1, -1, 3, 4, 5}, {2, 1, 3}, 3, 7},
+             [&](const RecurrentArgs& p, const Act& q, const Act& k, const Act& v, const std::vector<uint8_t>& o,
+                 const std::vector<uint8_t>& st) {
+               check_mixed_qkv("recurrent spec, mixed qkv rows = dense " + tag, p, q, k, v, act, pool, o, st,
+                               [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
+               check_row_filter("recurrent spec, row filter " + tag, p, HV * V * es, pool, o, st,
+                                [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
+                                [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
+               check_pool_placement("recurrent spec, pool 64-byte aligned (streaming stores) and not " + tag, p, pool,
+                                    o, st,
+                                    [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
+                                    [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
+             });
+  // Decode: three one-token rows in place (with a bf16 state on AVX-512, V >= 128 takes 128-column
+  // blocks, a rest 32-column ones: recurrent.h, rec_wide_token).
+  rec_rows("decode", RecRows{{0, 1, 2, 3}, {4, 0, 6}, {1, 1, 1}, 1, 3}, [](auto&&...) {});
 
   // Chunked prefill: lengths {70, 0, 5, 64, 150} (several chunks, empty, short, tails); row 3
   // starts fresh on a slot full of NaN; row 1 is padding. At both chunk sizes compiled (32, 64),
@@ -1527,6 +1540,10 @@ int main() {
       GdnCase big;
       big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
       test_recurrent_and_chunk(kt, act, DType::f32, rng, big, false);
+      // A bf16 state's decode at V = 160: one 128-column block and one 32-column block (AVX-512).
+      GdnCase wide_v;
+      wide_v.H = 1; wide_v.HV = 2; wide_v.V = 160;
+      test_recurrent_and_chunk(kt, act, DType::bf16, rng, wide_v, false);
       // The serving step's fused prefill: every width path (W = 5: the generic one), both
       // layouts, a v range of more than 256 channels (HV 8 on one key head: two conv pieces),
       // real threads with single-head items.

@@ -34,10 +34,13 @@ constexpr int kRecTokGroup = 8;         // tokens whose q̂/k̂/gates are prepar
 constexpr int kRecBlockVF = 2;          // VF per full column block
 #if defined(__AVX512F__)
 constexpr bool kRecStashBf16 = false;   // a bf16 start block read as bf16 by its first pass
+constexpr int kRecWideVF = 8;           // a bf16 row of one token: 128-column blocks (rec_wide_token)
 #else
 constexpr bool kRecStashBf16 = true;    // widened once into loc (not measured otherwise)
+constexpr int kRecWideVF = 0;           // none: 8 VF of two ymm each would not stay in registers
 #endif
 constexpr int kRecBlock = kRecBlockVF * kLanes;  // 32 columns
+constexpr int kRecWide = kRecWideVF * kLanes;    // 128 columns on AVX-512
 
 inline int64_t rec_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -255,6 +258,32 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   }
 }
 
+// One token of a bf16-state row on a wide block (kRecWide columns from col): the block's rows
+// are whole 256-byte pieces, so rec_kv reads the head in one sequential sweep and the fused pass
+// finds it in L1 (a 128 x 128 bf16 head is 32 KiB), instead of four 32-column passes of one
+// 64-byte line per row 256 B apart; pf (may be null) is prefetched whole, row by row, beside.
+// The per-column arithmetic is rec_group_block's (same bits). One token and nothing kept, so no
+// state goes through loc (the narrow blocks keep spec rows' f32 copies in L1); loc is passed as a
+// valid pointer that the pass does not write. ffi/README.md, Recurrent decode / spec, "Wide blocks".
+template <class A, class ST>
+inline void rec_wide_token(const RecGroup<A, ST>& g, const ST* src, int64_t K, int64_t V, int64_t col, float* loc,
+                           const ST* pf) {
+  constexpr int NV = kRecWideVF;
+  static_assert(!rec_pairs<true, ST>(), "the wide block reads no pair order (AVX-512 has none)");
+  VF kv[NV], o[NV], d[NV];
+  rec_kv<NV, true, false, false>(src, V, K, g.kh[0], kLanes, kv, loc);
+  const VF va = vset1(g.alpha[0]), vb = vset1(g.beta[0]);
+  for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<true>(g.v[0] + col + c * kLanes, kLanes) - va * kv[c]);
+  ST* dst = g.dst[0] + col;
+  if (g.nt[0])
+    rec_pass<NV, true, false, false, true, false>(src, V, dst, V, loc, K, g.alpha[0], d, g.kh[0], g.qh[0], nullptr,
+                                                  kLanes, o, kv, pf, 0, 1);
+  else
+    rec_pass<NV, true, false, false, false, false>(src, V, dst, V, loc, K, g.alpha[0], d, g.kh[0], g.qh[0], nullptr,
+                                                   kLanes, o, kv, pf, 0, 1);
+  for (int c = 0; c < NV; ++c) rec_st<true>(g.o[0] + col + c * kLanes, o[c], kLanes);
+}
+
 // One column block (w <= kRecBlock columns from col): a full block in one pass per token,
 // a narrower tail as 16-column pieces (same per-column arithmetic).
 // pf: see rec_pass (full blocks only).
@@ -368,13 +397,23 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
       const bool one_group = nq <= kRecTokGroup;
       if (one_group) prepare(0, int(nq));
 
-      for (int64_t col = c0; col < c1; col += kRecBlock) {
-        const int64_t w = rec_min(kRecBlock, c1 - col);
+      // A bf16 state's one-token rows (decode) take wide blocks where the columns allow.
+      const bool wide = kRecWideVF > 0 && std::is_same<ST, bf16>::value && nq == 1;
+      for (int64_t col = c0, w = 0; col < c1; col += w) {
+        const bool wide_block = wide && c1 - col >= kRecWide;
+        const int64_t bw = wide_block ? kRecWide : kRecBlock;
+        w = rec_min(bw, c1 - col);
         // Prefetch target: the next block of this head, else the next head's first block
         // when the next item is the same row's next head and starts from the same slot.
         const ST* pf = nullptr;
-        if (col + kRecBlock < c1) pf = start + col + kRecBlock;
+        if (col + bw < c1) pf = start + col + bw;
         else if (it + 1 < it1 && nsplit == 1 && h + 1 < HV) pf = start + head_elems;
+        if constexpr (kRecWideVF > 0) {
+          if (wide_block) {
+            rec_wide_token(g, start + col, K, V, col, loc, pf);
+            continue;
+          }
+        }
         for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
           const int n = int(rec_min(kRecTokGroup, nq - t0));
           if (!one_group) prepare(t0, n);
