@@ -186,8 +186,10 @@ def test_decode_accuracy(isa, dtypes, G, l2norm):
 @pytest.mark.parametrize("KV", [(16, 16), (32, 48), (64, 80), (20, 24), (128, 128), (32, 160)],
                          ids=lambda kv: f"K{kv[0]}V{kv[1]}")
 def test_decode_head_dims(isa, KV):
-    """Full 32-column blocks, a 16-column tail, K, V that are not multiples of 16, and (bf16 state on
-    AVX-512) 128-column blocks alone and with a 32-column block beside them."""
+    """Full 32-column blocks, a 16-column tail, K, V that are not multiples of 16, and V = 160 (with
+    enough rows for the threads a bf16 state takes a 128-column block and a 32-column one on AVX-512:
+    test_decode_split_invariance; on two or more threads the three rows here are cut into 32-column
+    pieces)."""
     K, V = KV
     rng = np.random.default_rng(K * 1000 + V)
     B, H, HV, N = 3, 1, 2, 4
