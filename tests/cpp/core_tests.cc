@@ -749,8 +749,8 @@ void test_recurrent_and_chunk(const KernelTable& kt, DType act, DType sdt, std::
                                     [](RecurrentArgs& a, void* out, void* state) { a.o = out; a.ssm_state = state; },
                                     [&](const RecurrentArgs& m) { kt.recurrent(m, Parallel{}); });
              });
-  // Decode: three one-token rows in place (with a bf16 state on AVX-512, V >= 128 takes 128-column
-  // blocks, a rest 32-column ones: recurrent.h, rec_wide_token).
+  // Decode: three one-token rows in place (on AVX-512, V >= 128 takes 128-column blocks, a rest
+  // 32-column ones: recurrent.h, "wide").
   rec_rows("decode", RecRows{{0, 1, 2, 3}, {4, 0, 6}, {1, 1, 1}, 1, 3}, [](auto&&...) {});
 
   // Chunked prefill: lengths {70, 0, 5, 64, 150} (several chunks, empty, short, tails); row 3
@@ -1540,10 +1540,11 @@ int main() {
       GdnCase big;
       big.H = 1; big.HV = 2; big.K = 128; big.V = 128;
       test_recurrent_and_chunk(kt, act, DType::f32, rng, big, false);
-      // A bf16 state's decode at V = 160: one 128-column block and one 32-column block (AVX-512).
+      // V = 160: one 128-column block and one 32-column block on AVX-512 (recurrent.h, "wide"):
+      // decode with either state, spec verify with an f32 one (streamed and plain stores).
       GdnCase wide_v;
       wide_v.H = 1; wide_v.HV = 2; wide_v.V = 160;
-      test_recurrent_and_chunk(kt, act, DType::bf16, rng, wide_v, false);
+      for (DType sdt : {DType::f32, DType::bf16}) test_recurrent_and_chunk(kt, act, sdt, rng, wide_v, true);
       // The serving step's fused prefill: every width path (W = 5: the generic one), both
       // layouts, a v range of more than 256 channels (HV 8 on one key head: two conv pieces),
       // real threads with single-head items.

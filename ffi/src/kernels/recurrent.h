@@ -34,13 +34,15 @@ constexpr int kRecTokGroup = 8;         // tokens whose q̂/k̂/gates are prepar
 constexpr int kRecBlockVF = 2;          // VF per full column block
 #if defined(__AVX512F__)
 constexpr bool kRecStashBf16 = false;   // a bf16 start block read as bf16 by its first pass
-constexpr int kRecWideVF = 8;           // a bf16 row of one token: 128-column blocks (rec_wide_token)
+constexpr int kRecWideVF = 8;           // 128-column blocks where they pay (recurrent_impl, "wide")
 #else
 constexpr bool kRecStashBf16 = true;    // widened once into loc (not measured otherwise)
 constexpr int kRecWideVF = 0;           // none: 8 VF of two ymm each would not stay in registers
 #endif
 constexpr int kRecBlock = kRecBlockVF * kLanes;  // 32 columns
 constexpr int kRecWide = kRecWideVF * kLanes;    // 128 columns on AVX-512
+// loc: a block's f32 state between tokens, kRecMaxDim rows of the widest block (128 KiB on AVX-512).
+constexpr int kRecLocCols = kRecWide > kRecBlock ? kRecWide : kRecBlock;
 
 inline int64_t rec_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -136,7 +138,7 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 
 // One token's fused pass over the K rows of a column block:
 //   S' = alpha S + k̂ deltaᵀ, stored to dst (state dtype; kNT: non-temporal) and, if kLoc,
-//   to loc (f32, row stride kRecBlock); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
+//   to loc (f32, row stride LD: the block's width); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
 //   o and kvn accumulate over k in one chain per column (ffi/README.md, "One accumulator
 //   chain"): with rec_kv's even / odd pairs AVX2 ran out of ymm registers in the spec passes.
 // pf (may be null): the next column block to be read from memory (a pool block, dst's row stride
@@ -151,7 +153,7 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 // prefetcht1), not L1: on Zen 4 an L1 prefetch holds one of the few L1 miss buffers until its
 // line arrives and the pass reached ~20 GB/s per thread; into L2 ~32 (decode B = 8 f32 kernel,
 // two threads, 0.95 -> 0.6-0.76 ms; Zen 3 measured the same both ways).
-template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, class Src, class ST>
+template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, int LD, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
                           VF* kvn, const ST* pf, int pf_phase, int pf_every) {
@@ -169,13 +171,13 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
       }
     }
     if (++ph == pf_every) ph = 0;
-    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k],
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * LD, va, d, kh[k],
                                                 qh[k], kNext ? khn[k] : 0.f, ncol, oa, na);
-    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * kRecBlock,
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + (k + 1) * s_ld, dst + (k + 1) * d_ld, loc + (k + 1) * LD,
                                                 va, d, kh[k + 1], qh[k + 1], kNext ? khn[k + 1] : 0.f, ncol, oa, na);
   }
   if (k < K)
-    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * kRecBlock, va, d, kh[k],
+    rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * LD, va, d, kh[k],
                                                 qh[k], kNext ? khn[k] : 0.f, ncol, oa, na);
   for (int c = 0; c < NV; ++c) {
     o[c] = oa[c];
@@ -184,12 +186,12 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
 }
 
 // Picks the rec_pass instantiation; non-temporal stores only on full (aligned) pieces.
-template <int NV, bool kFull, bool kPair, class Src, class ST>
+template <int NV, bool kFull, bool kPair, int LD, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
                          const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every) {
 #define GDN_REC_PASS(kNext, kLoc, kNT)                                                                       \
-  rec_pass<NV, kFull, kNext, kLoc, kNT, kPair>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, \
+  rec_pass<NV, kFull, kNext, kLoc, kNT, kPair, LD>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, \
                                                pf_phase, pf_every)
   if (kFull && nt) {
     if (next) {
@@ -217,7 +219,8 @@ inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t
 // state after the group's last token is then left in loc.
 // Between tokens the state continues in f32: from loc (bf16 pool, or a slot written with
 // non-temporal stores, which must not be read back), else from the f32 slot just written.
-template <int NV, bool kFull, class A, class ST, class Src>
+// LD: loc's row stride (the block's width; 16-column pieces of a narrow tail keep kRecBlock).
+template <int NV, bool kFull, int LD, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
                             int64_t col, int ncol, bool keep, float* loc, const ST* pf) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
@@ -228,6 +231,7 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   // AVX-512, whose widening is one shift of a zero-extending load (kRecStashBf16; Zen 5: 3-6%
   // less time from the LLC; the same bits either way, the widening is exact).
   constexpr bool kStash = kRecStashBf16 && !std::is_same<Src, float>::value && !kPair;
+  static_assert(!kStash || LD == kRecBlock, "rec_kv stashes with the narrow blocks' row stride");
   VF kv[NV], o[NV], d[NV];
   rec_kv<NV, kFull, kStash, kPair && std::is_same<Src, bf16>::value>(src, s_ld, K, g.kh[0], ncol, kv, loc);
   bool prev_loc = false;
@@ -241,16 +245,16 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     ST* dst = g.dst[t] + col;
     if (t == 0) {
       if constexpr (kStash)  // loc -> loc in place, as below
-        rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, static_cast<const float*>(loc), kRecBlock, dst, V, loc, K,
+        rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, static_cast<const float*>(loc), LD, dst, V, loc, K,
                                        g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n);
       else
-        rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
+        rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
                                        khn, ncol, o, kv, pf, 0, g.n);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
-      const int64_t cont_ld = prev_loc ? kRecBlock : V;
-      rec_pass_any<NV, kFull, kPair>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t],
+      const int64_t cont_ld = prev_loc ? LD : V;
+      rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t],
                                      g.qh[t], khn, ncol, o, kv, pf, t, g.n);
     }
     for (int c = 0; c < NV; ++c) rec_st<kFull, kPair>(g.o[t] + col + c * kLanes, o[c], ncol);
@@ -258,47 +262,27 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   }
 }
 
-// One token of a bf16-state row on a wide block (kRecWide columns from col): the block's rows
-// are whole 256-byte pieces, so rec_kv reads the head in one sequential sweep and the fused pass
-// finds it in L1 (a 128 x 128 bf16 head is 32 KiB), instead of four 32-column passes of one
-// 64-byte line per row 256 B apart; pf (may be null) is prefetched whole, row by row, beside.
-// The per-column arithmetic is rec_group_block's (same bits). One token and nothing kept, so no
-// state goes through loc (the narrow blocks keep spec rows' f32 copies in L1); loc is passed as a
-// valid pointer that the pass does not write. ffi/README.md, Recurrent decode / spec, "Wide blocks".
-template <class A, class ST>
-inline void rec_wide_token(const RecGroup<A, ST>& g, const ST* src, int64_t K, int64_t V, int64_t col, float* loc,
-                           const ST* pf) {
-  constexpr int NV = kRecWideVF;
-  static_assert(!rec_pairs<true, ST>(), "the wide block reads no pair order (AVX-512 has none)");
-  VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, true, false, false>(src, V, K, g.kh[0], kLanes, kv, loc);
-  const VF va = vset1(g.alpha[0]), vb = vset1(g.beta[0]);
-  for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<true>(g.v[0] + col + c * kLanes, kLanes) - va * kv[c]);
-  ST* dst = g.dst[0] + col;
-  if (g.nt[0])
-    rec_pass<NV, true, false, false, true, false>(src, V, dst, V, loc, K, g.alpha[0], d, g.kh[0], g.qh[0], nullptr,
-                                                  kLanes, o, kv, pf, 0, 1);
-  else
-    rec_pass<NV, true, false, false, false, false>(src, V, dst, V, loc, K, g.alpha[0], d, g.kh[0], g.qh[0], nullptr,
-                                                   kLanes, o, kv, pf, 0, 1);
-  for (int c = 0; c < NV; ++c) rec_st<true>(g.o[0] + col + c * kLanes, o[c], kLanes);
-}
-
-// One column block (w <= kRecBlock columns from col): a full block in one pass per token,
-// a narrower tail as 16-column pieces (same per-column arithmetic).
+// One column block (w <= kRecBlock columns from col, or a wide block of kRecWide): a full block
+// in one pass per token, a narrower tail as 16-column pieces (same per-column arithmetic).
 // pf: see rec_pass (full blocks only).
 template <class A, class ST, class Src>
 inline void rec_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V, int64_t col,
                       int64_t w, bool keep, float* loc, const ST* pf) {
+  if constexpr (kRecWideVF > 0) {
+    if (w == kRecWide) {
+      rec_group_block<kRecWideVF, true, kRecWide>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
+      return;
+    }
+  }
   if (w == kRecBlock) {
-    rec_group_block<kRecBlockVF, true>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
+    rec_group_block<kRecBlockVF, true, kRecBlock>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
     return;
   }
   const ST* no_pf = nullptr;
   for (int64_t off = 0; off < w; off += kLanes) {
     const int64_t n = rec_min(kLanes, w - off);
-    if (n == kLanes) rec_group_block<1, true>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, no_pf);
-    else rec_group_block<1, false>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, no_pf);
+    if (n == kLanes) rec_group_block<1, true, kRecBlock>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, no_pf);
+    else rec_group_block<1, false, kRecBlock>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, no_pf);
   }
 }
 
@@ -358,7 +342,7 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
 
   par(items, 1, [&](int64_t it0, int64_t it1) {
     RecGroup<A, ST> g;
-    alignas(64) float loc[kRecMaxDim * kRecBlock];
+    alignas(64) float loc[kRecMaxDim * kRecLocCols];
     for (int64_t it = it0; it < it1; ++it) {
       const int64_t i = it / (HV * nsplit);
       const int64_t h = (it / nsplit) % HV;
@@ -397,8 +381,10 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
       const bool one_group = nq <= kRecTokGroup;
       if (one_group) prepare(0, int(nq));
 
-      // A bf16 state's one-token rows (decode) take wide blocks where the columns allow.
-      const bool wide = kRecWideVF > 0 && std::is_same<ST, bf16>::value && nq == 1;
+      // Wide blocks (kRecWide columns, AVX-512) where the columns allow, except for a bf16 state's
+      // rows of several tokens: their f32 copy between tokens (loc, 64 KiB for a 128 x 128 head)
+      // would leave L1 (ffi/README.md, Recurrent decode / spec, "Wide blocks").
+      const bool wide = kRecWideVF > 0 && (std::is_same<ST, float>::value || nq == 1);
       for (int64_t col = c0, w = 0; col < c1; col += w) {
         const bool wide_block = wide && c1 - col >= kRecWide;
         const int64_t bw = wide_block ? kRecWide : kRecBlock;
@@ -408,18 +394,12 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
         const ST* pf = nullptr;
         if (col + bw < c1) pf = start + col + bw;
         else if (it + 1 < it1 && nsplit == 1 && h + 1 < HV) pf = start + head_elems;
-        if constexpr (kRecWideVF > 0) {
-          if (wide_block) {
-            rec_wide_token(g, start + col, K, V, col, loc, pf);
-            continue;
-          }
-        }
         for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
           const int n = int(rec_min(kRecTokGroup, nq - t0));
           if (!one_group) prepare(t0, n);
-          const bool keep = t0 + n < nq;  // then the group leaves its state in loc
+          const bool keep = t0 + n < nq;  // then the group leaves its state in loc (row stride bw)
           if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc, pf);
-          else rec_block(g, static_cast<const float*>(loc), kRecBlock, K, V, col, w, keep, loc,
+          else rec_block(g, static_cast<const float*>(loc), bw, K, V, col, w, keep, loc,
                          static_cast<const ST*>(nullptr));
         }
       }
