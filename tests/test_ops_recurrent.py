@@ -187,7 +187,7 @@ def test_decode_accuracy(isa, dtypes, G, l2norm):
                          ids=lambda kv: f"K{kv[0]}V{kv[1]}")
 def test_decode_head_dims(isa, KV):
     """Full 32-column blocks, a 16-column tail, K, V that are not multiples of 16, and V = 160 (with
-    enough rows for the threads a bf16 state takes a 128-column block and a 32-column one on AVX-512:
+    enough rows for the threads a 128-column block and a 32-column one on AVX-512:
     test_decode_split_invariance; on two or more threads the three rows here are cut into 32-column
     pieces)."""
     K, V = KV
@@ -272,7 +272,7 @@ def test_bf16_head_params(isa):
 @pytest.mark.parametrize("V", [128, 160])
 def test_decode_split_invariance(isa, state, V):
     """Rows decoded together or one at a time give the same bits: the V split differs (one row is
-    cut into 32-column pieces for the threads; a batch of bf16 rows takes 128-column blocks on AVX-512)."""
+    cut into 32-column pieces for the threads; a batch takes 128-column blocks on AVX-512)."""
     rng = np.random.default_rng(5)
     B, H, HV, K, N = 6, 1, 2, 32, 8
     j, _ = make_inputs(rng, B, H, HV, K, V, N, BF16, state)
