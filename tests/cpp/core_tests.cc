@@ -199,22 +199,30 @@ void test_linear_packed(const KernelTable& kt, DType xdt, DType ydt, int64_t T, 
 }
 
 // --- gating -----------------------------------------------------------------------------
-void test_gating(const KernelTable& kt, DType act, std::mt19937& rng) {
-  const int64_t T = 37, HV = 24;
+// Against float64; HV = 24 takes the per-token loop, 32 and 48 the flat run of whole vectors
+// (T * HV / 16 = 74 and 111 vectors: full steps of kGateVecs and a tail on every ISA); the
+// same bits on 3 threads (ranges of 64 tokens: steps cut at range ends).
+void test_gating(const KernelTable& kt, DType act, int64_t T, int64_t HV, std::mt19937& rng) {
   Act a(T * HV, rng, 3), b(T * HV, rng, 3);
-  std::vector<float> A_log(HV), dt(HV), g(T * HV), beta(T * HV);
+  std::vector<float> A_log(HV), dt(HV), g(T * HV), beta(T * HV), g3(T * HV), beta3(T * HV);
   for (int h = 0; h < HV; ++h) { A_log[h] = std::log(1.f + h * 0.6f); dt[h] = 0.1f * (h % 5) - 0.2f; }
   GatingArgs p{act, a.ptr(act), b.ptr(act), A_log.data(), dt.data(), g.data(), beta.data(), T, HV};
   kt.gating(p, Parallel{});
+  ThreadedParallel tp{3};
+  p.g = g3.data();
+  p.beta = beta3.data();
+  kt.gating(p, tp.par());
   std::vector<double> gr(T * HV), br(T * HV), go(g.begin(), g.end()), bo(beta.begin(), beta.end());
   for (int64_t i = 0; i < T * HV; ++i) {
     const int h = int(i % HV);
     gr[i] = -std::exp(double(A_log[h])) * softplus(a.f64[i] + dt[h]);
     br[i] = sigmoid(b.f64[i]);
   }
-  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " f32" : " bf16");
+  const std::string tag = std::string(kt.isa) + (act == DType::f32 ? " f32" : " bf16") + " T " + std::to_string(T) +
+                          " HV " + std::to_string(HV);
   check("gating g    " + tag, rel_rmse(go, gr), 1e-6);
   check("gating beta " + tag, rel_rmse(bo, br), 1e-6);
+  check_true("gating " + tag + " 3 threads bit-identical", g == g3 && beta == beta3);
 }
 
 // --- conv ---------------------------------------------------------------------------------
@@ -1527,7 +1535,9 @@ int main() {
     test_silu_bf16(kt);
     std::mt19937 rng(1234);
     for (DType act : {DType::f32, DType::bf16}) {
-      test_gating(kt, act, rng);
+      test_gating(kt, act, 37, 24, rng);
+      test_gating(kt, act, 37, 32, rng);
+      test_gating(kt, act, 150, 48, rng);
       for (bool ds : {false, true})
         for (int W : {4, 3, 5})
           for (DType wdt : {DType::f32, DType::bf16})
