@@ -25,6 +25,7 @@ constexpr int64_t kConvRowGroup = 8;     // update item: rows x kConvChanBlock c
 constexpr int64_t kConvUpdateSerialWork = int64_t(64) << 10;
 constexpr int64_t kConvRun = 4;          // tokens per register-window run (prefill, spec update)
 constexpr int64_t kConvPrefetchRuns = 2;  // prefill: x rows prefetched this many runs ahead
+constexpr int kConvActVecs = 4;           // activation pass: vectors per step (conv_act_rows)
 
 // --- helpers ------------------------------------------------------------------------------
 
@@ -153,11 +154,22 @@ inline void conv_tokens(const float* wtc, VF b, VF e3, VF e2, VF e1, const T* xp
 // vector (decode, spec) the SiLU's ~40-operation dependency chain per vector ran back to back
 // with the next vector's loads and taps, and its constants were re-broadcast per vector; here
 // the iterations are independent and the constants stay in registers (ffi/README.md, "Causal
-// conv1d", the activation pass). Same bits as conv_act inside conv_tokens.
+// conv1d", the activation pass). Same bits as conv_act inside conv_tokens. kConvActVecs vectors
+// per step: a vector's SiLU is one long dependent chain, and with the chains of a few vectors
+// written next to each other the core overlaps them (one at a time it waited on each).
 template <class T, bool SILU, bool STREAM = false>
 inline void conv_act_rows(const float* buf, int64_t buf_ld, T* y, int64_t y_ld, int64_t rows, int64_t nc) {
   for (int64_t r = 0; r < rows; ++r, buf += buf_ld, y += y_ld) {
     int64_t c = 0;
+    for (; c + kConvActVecs * kLanes <= nc; c += kConvActVecs * kLanes) {
+      VF v[kConvActVecs];
+      for (int j = 0; j < kConvActVecs; ++j) v[j] = vload(buf + c + j * kLanes);
+      for (int j = 0; j < kConvActVecs; ++j) v[j] = conv_act<SILU, T>(v[j]);
+      for (int j = 0; j < kConvActVecs; ++j) {
+        if constexpr (STREAM) vstream(y + c + j * kLanes, v[j]);
+        else vstore(y + c + j * kLanes, v[j]);
+      }
+    }
     for (; c + kLanes <= nc; c += kLanes) {
       if constexpr (STREAM) vstream(y + c, conv_act<SILU, T>(vload(buf + c)));
       else vstore(y + c, conv_act<SILU, T>(vload(buf + c)));
