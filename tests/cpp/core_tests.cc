@@ -200,7 +200,7 @@ void test_linear_packed(const KernelTable& kt, DType xdt, DType ydt, int64_t T, 
 
 // --- gating -----------------------------------------------------------------------------
 // Against float64; HV = 24 takes the per-token loop, 32 and 48 the flat run of whole vectors
-// (T * HV / 16 = 74 and 111 vectors: full steps of kGateVecs and a tail on every ISA); the
+// (T * HV / 16 = 74 and 450 vectors: full steps of kGateVecs and a tail on every ISA); the
 // same bits on 3 threads (ranges of 64 tokens: steps cut at range ends).
 void test_gating(const KernelTable& kt, DType act, int64_t T, int64_t HV, std::mt19937& rng) {
   Act a(T * HV, rng, 3), b(T * HV, rng, 3);
