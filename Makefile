@@ -29,10 +29,11 @@ $(VENV)/.deps-stamp: pyproject.toml
 # In-tree build: the extension lands in gdn_jax/ so `import gdn_jax` works from the
 # checkout (tests, examples, benchmarks). `pip install .` builds the same thing as a wheel.
 # The same build directory holds the C++ core tests (built only by test-core): the kernel
-# library is compiled once for both.
+# library is compiled once for both, and the A/B driver's smoke build (benchmarks/kernel_ab.py's
+# gdn_kernel_ab with this tree as its own base, the portable unit twice).
 build: venv
 	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DGDN_BUILD_CORE_TESTS=ON \
-	    -DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
+	    -DGDN_AB_BASE=$(CURDIR) -DGDN_AB_ISA=generic -DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
 	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target _gdn_ffi
 	cp $(BUILD)/_gdn_ffi*.so gdn_jax/
 
@@ -46,7 +47,8 @@ test: build test-core
 # AddressSanitizer + UndefinedBehaviorSanitizer (the sanitized aarch64 build and the sanitized
 # extension are `make test-sanitize`: too long for every CI run on 2 cores).
 test-core: build
-	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target gdn_core_tests gdn_recurrent_kernel_bench gdn_conv_kernel_bench
+	$(VENV)/bin/cmake --build $(BUILD) -j $(JOBS) --target gdn_core_tests gdn_recurrent_kernel_bench gdn_conv_kernel_bench \
+	    gdn_kernel_ab
 	CMAKE=$(abspath $(VENV)/bin/cmake) CORE_BUILD=$(BUILD) tests/cpp/run_core_tests.sh
 	CMAKE=$(abspath $(VENV)/bin/cmake) PY=$(PY) GDN_SAN_CORE_ONLY=1 GDN_SKIP_ARM=1 tests/cpp/run_sanitize.sh
 

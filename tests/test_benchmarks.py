@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -900,3 +901,25 @@ def test_host_malloc_times_both_settings_in_fresh_processes():
     bad = subprocess.run([sys.executable, script, "--cases", "nope"], capture_output=True, text=True, env=env,
                          timeout=60, cwd=ROOT)
     assert bad.returncode != 0 and "--cases: unknown ['nope']" in bad.stderr
+
+
+def test_kernel_ab_reads_each_process_table_and_exports_the_base():
+    """benchmarks/kernel_ab.py: the ratio column of gdn_kernel_ab's rows (the driver itself runs in
+    the core tests), the median over processes, and the base's ffi/ from git."""
+    kab = _load("kernel_ab")
+    table = """kernel_ab: isa avx512bf16, one thread, 8 rounds of ~200 ms per build; ratio = new / base per round
+case         shape                                   base us       new us     new/base (p25-p75)  bits
+gating       T = 2048                                   48.0         49.1    1.021 (1.015-1.028)  same bits
+conv_update  B = 8, 4096 slots                          54.2         54.7    1.010 (1.001-1.018)  output 1: 3 of 9 values differ (max rel 2.4e-07)
+chunk        T = 2048, f32 state                     79628.0      78930.4    0.992 (0.991-1.000)  same bits
+"""
+    assert kab.parse_ratios(table) == {"gating": 1.021, "conv_update": 1.010, "chunk": 0.992}
+    text = kab.summary({"chunk": [0.992, 1.004, 1.001], "gating": [1.2]})
+    assert "chunk        1.001 (0.992-1.004, 3 processes)" in text and "gating       1.200 (1.200-1.200, 1" in text
+    with tempfile.TemporaryDirectory() as d:
+        kab.export_ffi("HEAD", d)
+        head = subprocess.run(["git", "-C", ROOT, "show", "HEAD:ffi/include/gdn/types.h"], capture_output=True,
+                              text=True, check=True).stdout
+        with open(os.path.join(d, "ffi", "include", "gdn", "types.h")) as f:
+            assert f.read() == head
+        assert os.path.isfile(os.path.join(d, "ffi", "src", "isa", "avx512bf16.cc"))

@@ -2,16 +2,17 @@
 # The C++ kernel-core tests: natively (every ISA this CPU has), then cross-compiled for
 # aarch64 and run under qemu-aarch64 with a BF16 CPU model (neon_bf16, neon, generic) and
 # with one lacking BF16 (neon, generic). Installs the cross compiler and qemu-user if missing.
-# CORE_BUILD: a build directory where gdn_core_tests and the two kernel benchmarks are built
-# already (`make test-core` passes the extension's, which shares the kernel library); without
-# it the native tests are configured and built in build/core.
+# CORE_BUILD: a build directory where gdn_core_tests, the two kernel benchmarks and the A/B
+# driver are built already (`make test-core` passes the extension's, which shares the kernel
+# library); without it the native tests are configured and built in build/core.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CMAKE=${CMAKE:-cmake}
 CORE_BUILD=${CORE_BUILD:-}
 if [ -z "$CORE_BUILD" ]; then
   CORE_BUILD=build/core
-  "$CMAKE" -S . -B "$CORE_BUILD" -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON >/dev/null
+  "$CMAKE" -S . -B "$CORE_BUILD" -G Ninja -DGDN_BUILD_PYTHON=OFF -DGDN_BUILD_CORE_TESTS=ON \
+    -DGDN_AB_BASE="$PWD" -DGDN_AB_ISA=generic >/dev/null
   "$CMAKE" --build "$CORE_BUILD" -j 2 >/dev/null
 fi
 echo "== native ($(uname -m))"
@@ -21,6 +22,9 @@ echo "== native ($(uname -m))"
 "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --pool-mib 1 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_conv_kernel_bench" --tokens 5 --batch 3 --dim 40 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_conv_kernel_bench" --act f32 --tokens 5 --batch 3 --dim 40 --calls 3 --pool-mib 1 >/dev/null
+# The A/B driver (benchmarks/kernel_ab.py) with this tree as its own base: every case must write
+# the same bits in both builds (the comparison can fail: --expect-same-bits exits 1).
+"$CORE_BUILD/gdn_kernel_ab" --tokens 70 --batch 2 --pool-mib 8 --rounds 2 --round-ms 1 --expect-same-bits 1 >/dev/null
 
 if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then echo "== aarch64: skipped (GDN_SKIP_ARM=1)"; exit 0; fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
