@@ -74,9 +74,9 @@ bf16 to_bf16(float f) {
   return bf16{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 
-Buf normal_bf16(size_t n, float scale, float mean = 0.f) {
+Buf normal_bf16(size_t n, float scale) {
   Buf b(n * 2);
-  std::normal_distribution<float> nd(mean, scale);
+  std::normal_distribution<float> nd(0.f, scale);
   for (size_t i = 0; i < n; ++i) b.as<bf16>()[i] = to_bf16(nd(g_rng));
   return b;
 }
@@ -122,7 +122,7 @@ std::vector<int32_t> next_slots(Side& s, int64_t B, int64_t slots) {
   return idx;
 }
 
-// query_start_loc of `rows` rows of one token each, and num_accepted_tokens 1 for each.
+// query_start_loc of `rows` rows of one token each.
 std::vector<int32_t> one_token_rows(int64_t rows) {
   std::vector<int32_t> q(static_cast<size_t>(rows + 1));
   for (int64_t i = 0; i <= rows; ++i) q[size_t(i)] = int32_t(i);
