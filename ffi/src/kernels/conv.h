@@ -486,10 +486,12 @@ inline void conv_update_prefetch(const ConvArgs& p, int64_t s, int64_t c0, int64
 // The first run of an update row in the SD layout, full vectors [c0, cf) (the plain decode's
 // whole work): the general loop of conv_update_block with its layout, run and tail branches
 // taken out. slot: the row's slot (channel 0); out / out_ld: where conv_tokens writes (channel
-// c0). Same operations in the same order as the general loop, so the same bits.
-template <class T, int W, class Y>
-inline void conv_update_sd_first(const float* wt, T* slot, int64_t ts, int64_t acc, const T* xr, int64_t D,
-                                 int64_t q, int64_t count, Y* out, int64_t out_ld, int64_t c0, int64_t cf) {
+// c0). Same operations in the same order as the general loop, so the same bits. PLAIN: a plain
+// decode row (acc = q = count = 1), its offsets constants.
+template <class T, int W, bool PLAIN, class Y>
+inline void conv_update_sd_first(const float* wt, T* slot, int64_t ts, int64_t acc_in, const T* xr, int64_t D,
+                                 int64_t q_in, int64_t count_in, Y* out, int64_t out_ld, int64_t c0, int64_t cf) {
+  const int64_t acc = PLAIN ? 1 : acc_in, q = PLAIN ? 1 : q_in, count = PLAIN ? 1 : count_in;
   const float* bt = wt + W * kConvChanBlock;
   for (int64_t c = c0; c < cf; c += kLanes) {
     T* st = slot + c;
@@ -543,8 +545,14 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
       int64_t c = c0;
       if (u == 0 && cs == 1) {
         const int64_t cf = c0 + (nc / kLanes) * kLanes;
-        if constexpr (SILU) conv_update_sd_first<T, W>(wt, slot_base, ts, acc, xr, D, q, count, pre, kConvChanBlock, c0, cf);
-        else conv_update_sd_first<T, W>(wt, slot_base, ts, acc, xr, D, q, count, yr + c0, D, c0, cf);
+        auto first = [&](auto plain) {
+          if constexpr (SILU)
+            conv_update_sd_first<T, W, decltype(plain)::value>(wt, slot_base, ts, acc, xr, D, q, count, pre,
+                                                               kConvChanBlock, c0, cf);
+          else conv_update_sd_first<T, W, decltype(plain)::value>(wt, slot_base, ts, acc, xr, D, q, count, yr + c0, D, c0, cf);
+        };
+        if (acc == 1 && q == 1) first(std::true_type{});
+        else first(std::false_type{});
         c = cf;
       }
       for (; c < c1; c += kLanes) {
