@@ -89,7 +89,7 @@ def main(argv=None):
     gen = ["-G", "Ninja"] if tool("ninja") else []
     sh([cmake, "-S", ROOT, "-B", build, *gen, "-DCMAKE_BUILD_TYPE=Release", "-DGDN_BUILD_PYTHON=OFF",
         f"-DGDN_AB_BASE={src}", f"-DGDN_AB_ISA={args.isa}"], stdout=subprocess.DEVNULL)
-    print("kernel_ab: building (both ISA units compile the first time: a few minutes)", flush=True)
+    print("kernel_ab: building (the first build compiles every ISA unit and the base's: a few minutes)", flush=True)
     sh([cmake, "--build", build, "-j", str(os.cpu_count() or 2), "--target", "gdn_kernel_ab"],
        stdout=subprocess.DEVNULL)
 
