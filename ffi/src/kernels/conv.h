@@ -161,19 +161,17 @@ template <class T, bool SILU, bool STREAM = false>
 inline void conv_act_rows(const float* buf, int64_t buf_ld, T* y, int64_t y_ld, int64_t rows, int64_t nc) {
   for (int64_t r = 0; r < rows; ++r, buf += buf_ld, y += y_ld) {
     int64_t c = 0;
+    auto put = [&](int64_t at, VF v) {
+      if constexpr (STREAM) vstream(y + at, v);
+      else vstore(y + at, v);
+    };
     for (; c + kConvActVecs * kLanes <= nc; c += kConvActVecs * kLanes) {
       VF v[kConvActVecs];
       for (int j = 0; j < kConvActVecs; ++j) v[j] = vload(buf + c + j * kLanes);
       for (int j = 0; j < kConvActVecs; ++j) v[j] = conv_act<SILU, T>(v[j]);
-      for (int j = 0; j < kConvActVecs; ++j) {
-        if constexpr (STREAM) vstream(y + c + j * kLanes, v[j]);
-        else vstore(y + c + j * kLanes, v[j]);
-      }
+      for (int j = 0; j < kConvActVecs; ++j) put(c + j * kLanes, v[j]);
     }
-    for (; c + kLanes <= nc; c += kLanes) {
-      if constexpr (STREAM) vstream(y + c, conv_act<SILU, T>(vload(buf + c)));
-      else vstore(y + c, conv_act<SILU, T>(vload(buf + c)));
-    }
+    for (; c + kLanes <= nc; c += kLanes) put(c, conv_act<SILU, T>(vload(buf + c)));
     if (c < nc) vstore_n(y + c, conv_act<SILU, T>(vload_n(buf + c, int(nc - c))), int(nc - c));
   }
 }
@@ -545,14 +543,12 @@ GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, i
       int64_t c = c0;
       if (u == 0 && cs == 1) {
         const int64_t cf = c0 + (nc / kLanes) * kLanes;
-        auto first = [&](auto plain) {
-          if constexpr (SILU)
-            conv_update_sd_first<T, W, decltype(plain)::value>(wt, slot_base, ts, acc, xr, D, q, count, pre,
-                                                               kConvChanBlock, c0, cf);
-          else conv_update_sd_first<T, W, decltype(plain)::value>(wt, slot_base, ts, acc, xr, D, q, count, yr + c0, D, c0, cf);
+        auto first = [&](auto* out, int64_t out_ld) {
+          if (acc == 1 && q == 1) conv_update_sd_first<T, W, true>(wt, slot_base, ts, acc, xr, D, q, count, out, out_ld, c0, cf);
+          else conv_update_sd_first<T, W, false>(wt, slot_base, ts, acc, xr, D, q, count, out, out_ld, c0, cf);
         };
-        if (acc == 1 && q == 1) first(std::true_type{});
-        else first(std::false_type{});
+        if constexpr (SILU) first(pre, kConvChanBlock);
+        else first(yr + c0, D);
         c = cf;
       }
       for (; c < c1; c += kLanes) {
