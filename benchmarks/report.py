@@ -28,11 +28,10 @@ BANDWIDTH_NAMES = {"rmw": "read-modify-write bandwidth", "read": "read bandwidth
 
 def bandwidth_kind(row):
     """The bandwidth a bytes row is held to: a conv prefill reads x and writes a fresh output (copy);
-    decode and spec read their state slots from a pool 4x the LLC and write them back (read-modify-
-    write). None for the conv update (its 64-slot pool, 3 MiB, stays in the LLC) and for the
-    decode_pool rows (the same 8 bf16 slots, 8 MiB, every call: they stay in the LLC too; those rows
-    compare pool sizes, not the machine): a DRAM roofline does not bound them."""
-    if row.get("op") in ("conv_update", "decode_pool"):
+    decode, spec and the conv update read their state slots from a pool 4x the LLC and write them back
+    (read-modify-write). None for the decode_pool rows (the same 8 bf16 slots, 8 MiB, every call: they
+    stay in the LLC; those rows compare pool sizes, not the machine): a DRAM roofline does not bound them."""
+    if row.get("op") == "decode_pool":
         return None
     return "copy" if row.get("op") == "conv_fwd" else "rmw"
 
@@ -419,9 +418,9 @@ def markdown(res, md_dir):
           f"kernels, {roof.get('threads')} threads; best of the probes as above ({_runs(roof, 'fma_peak')}) |",
           f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
           f"{roof.get('bf16_dot_peak_source', '-')} |", "",
-          "Decode and spec rows report state bytes moved per second (read + written) against the "
-          "read-modify-write bandwidth (conv-update and decode_pool rows report theirs without a roofline: "
-          "their slots stay in the LLC between calls), conv prefill rows activation bytes against the copy bandwidth; chunk and "
+          "Decode, spec and conv-update rows report state bytes moved per second (read + written; the conv "
+          "update's x and y besides) against the read-modify-write bandwidth (decode_pool rows report theirs "
+          "without a roofline: their slots stay in the LLC between calls), conv prefill rows activation bytes against the copy bandwidth; chunk and "
           "prefill rows report the chunked algorithm's GFLOP/s (`run.chunk_flops`: ffi/README.md's count for the "
           f"chunk kernel at the chunk size gdn_jax uses, C = {res.get('chunk', 64)}; 8.0 MFLOP per value head and "
           "64-token chunk, 3.5 per 32-token chunk) against the bf16 dot-product peak; every implementation's "

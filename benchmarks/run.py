@@ -277,15 +277,23 @@ def case_conv_fwd(rng, lens, impl):
     return fn, (x, pool), 1, T, 2 * T * D * 2, None
 
 
+def _conv_slot_sets(rng, L, rows):
+    """A conv state pool of L-row bf16 slots 4x the LLC and disjoint sets of `rows` slots that the
+    timing cycles through (cold slots, as in vLLM's harness and in a model's step, where the other
+    layers evict them)."""
+    N = pool_slots(L * D * 2, rows, True) // rows * rows
+    perm = rng.permutation(N)
+    return gdn_jax.zeros_pool((N, L, D), jnp.bfloat16), [jnp.asarray(perm[i * rows:(i + 1) * rows], jnp.int32)
+                                                          for i in range(N // rows)]
+
+
 def case_conv_update(rng, B, impl):
     x = rnd(rng, (B, D), jnp.bfloat16)
     w = rnd(rng, (D, W), jnp.bfloat16, 0.5)
-    N = max(B, 64)
-    pool = gdn_jax.zeros_pool((N, W - 1, D), jnp.bfloat16)
-    idx = jnp.asarray(rng.permutation(N)[:B], jnp.int32)
-    fn = jax.jit(lambda x, pool: ops.causal_conv1d_update(
+    pool, sets = _conv_slot_sets(rng, W - 1, B)
+    fn = jax.jit(lambda x, pool, idx: ops.causal_conv1d_update(
         x, weight=w, bias=None, conv_state=pool, state_indices=idx, impl=impl), donate_argnums=1)
-    return fn, (x, pool), 1, B, B * D * 2 * (2 * (W - 1) + 2), None
+    return fn, (x, pool, sets[0]), 1, B, B * D * 2 * (2 * (W - 1) + 2), (2, sets)
 
 
 def case_conv_update_spec(rng, S, Q, impl):
@@ -293,15 +301,13 @@ def case_conv_update_spec(rng, S, Q, impl):
     T = S * Q
     x = rnd(rng, (T, D), jnp.bfloat16)
     w = rnd(rng, (D, W), jnp.bfloat16, 0.5)
-    N = max(S, 64)
-    pool = gdn_jax.zeros_pool((N, W - 1 + Q - 1, D), jnp.bfloat16)
-    idx = jnp.asarray(rng.permutation(N)[:S], jnp.int32)
+    pool, sets = _conv_slot_sets(rng, W - 1 + Q - 1, S)
     qsl = jnp.arange(0, T + 1, Q, dtype=jnp.int32)
     acc = jnp.asarray(rng.integers(1, Q + 1, size=S), jnp.int32)
-    fn = jax.jit(lambda x, pool: ops.causal_conv1d_update(
+    fn = jax.jit(lambda x, pool, idx: ops.causal_conv1d_update(
         x, weight=w, bias=None, conv_state=pool, state_indices=idx, query_start_loc=qsl, num_accepted_tokens=acc,
         impl=impl), donate_argnums=1)
-    return fn, (x, pool), 1, T, S * (W - 1 + Q - 1) * D * 2 * 2 + 2 * T * D * 2, None
+    return fn, (x, pool, sets[0]), 1, T, S * (W - 1 + Q - 1) * D * 2 * 2 + 2 * T * D * 2, (2, sets)
 
 
 def case_gating(rng, T, impl):

@@ -141,7 +141,7 @@ def test_ratio_columns_come_from_the_measured_medians(quick_run):
         if r.get("unit") == "bytes":
             assert _close(r["gbs"], r["work"] / r["native"]["median_ms"] / 1e6)
             if report.bandwidth_kind(r) is None:  # cache-resident slots, no DRAM roofline
-                assert r["op"] in ("conv_update", "decode_pool") and "frac_roofline" not in r
+                assert r["op"] == "decode_pool" and "frac_roofline" not in r
                 continue
             bw = res["roofline"][f"{report.bandwidth_kind(r)}_bandwidth_gbs"]
             assert _close(r["frac_roofline"], r["gbs"] / bw)
