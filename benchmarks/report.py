@@ -147,6 +147,8 @@ def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
         # The run's best reading is the graded roofline; this one shows the row against the memory or
         # clock of its own minute (a shared host's bandwidth moves ~2x between minutes).
         note += f"; the probe just before the row read {beside['value']:.1f} {unit} ({100 * rate / beside['value']:.0f}% of it)"
+        if beside.get("round_trip_ns"):
+            note += f", its threads {beside['round_trip_ns']:.0f} ns apart"
     return add(target, case, row[f"{key}{suffix}"], thr, f"{100 * thr:.0f}%", note=note)
 
 
@@ -305,6 +307,27 @@ def _runs(roof, key):
     return ", ".join(parts)
 
 
+def _span(xs, f):
+    return f"{min(xs):{f}}" if min(xs) == max(xs) else f"{min(xs):{f}}-{max(xs):{f}}"
+
+
+def round_trips(roof, key="rmw_bandwidth"):
+    """The core-to-core round trip measured with each reading of a probe (run.py), in two groups:
+    within 2x of the shortest, and longer (a VM's vCPUs moved apart, e.g. onto two CCDs, where each
+    has a memory path of its own); per group the round trips' and the readings' ranges. "" without
+    round trips (a results.json from before them, or one CPU)."""
+    pairs = [(r, x) for r, x in zip(roof.get(f"{key}_round_trip_ns") or [], roof.get(f"{key}_runs") or []) if r]
+    if not pairs:
+        return ""
+    lo = min(r for r, _ in pairs)
+    parts = []
+    for g in ([p for p in pairs if p[0] <= 2 * lo], [p for p in pairs if p[0] > 2 * lo]):
+        if g:
+            parts.append(f"{_span([r for r, _ in g], '.0f')} ns at {len(g)} reading{'s' if len(g) > 1 else ''} "
+                         f"({_span([x for _, x in g], '.1f')} GB/s)")
+    return "; ".join(parts)
+
+
 def _ms(st):
     if not st or "median_ms" not in st:
         return "-"
@@ -417,7 +440,13 @@ def markdown(res, md_dir):
           f"| f32 FMA peak | {fmt(roof.get('fma_peak_gflops'), '.1f')} GFLOP/s | `fma_probe` of the {env.get('isa')} "
           f"kernels, {roof.get('threads')} threads; best of the probes as above ({_runs(roof, 'fma_peak')}) |",
           f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
-          f"{roof.get('bf16_dot_peak_source', '-')} |", "",
+          f"{roof.get('bf16_dot_peak_source', '-')} |"]
+    rt = round_trips(roof)
+    if rt:
+        L.append(f"| core-to-core round trip | {rt} | a cache line between threads pinned to the first two CPUs, "
+                 "measured with each rmw reading (`roofline.core_round_trip_ns`): where the host had put the two "
+                 "threads for that reading (ffi/README.md, Limits) |")
+    L += ["",
           "Decode, spec and conv-update rows report state bytes moved per second (read + written; the conv "
           "update's x and y besides) against the read-modify-write bandwidth (decode_pool rows report theirs "
           "without a roofline: their slots stay in the LLC between calls), conv prefill rows activation bytes against the copy bandwidth; chunk and "

@@ -100,6 +100,21 @@ def bandwidths():
     return {k: bandwidth_gbs(k) for k in BANDWIDTH_MODES}
 
 
+def core_round_trip_ns():
+    """Median ns of a cache line's round trip between threads pinned to the first two CPUs of this
+    process's affinity mask; None with fewer than two CPUs or a module without the probe. On a VM it
+    tells where the two vCPUs sit: on the Zen 4 of ffi/README.md (Limits) ~50-60 ns on one CCX and
+    ~330-370 ns across CCDs, where each thread also has a memory path of its own and the bandwidth
+    probes read about twice as much."""
+    from gdn_jax import _ffi
+
+    probe = getattr(_ffi._gdn_ffi, "core_round_trip_ns", None)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if probe is None or len(cpus) < 2:
+        return None
+    return probe(cpus[0], cpus[1])
+
+
 def fma_peak_gflops(threads):
     from gdn_jax import _ffi
 

@@ -996,13 +996,15 @@ def main(argv=None):
 
     t_run = _RUN_T0[0] = time.perf_counter()  # our timings (vLLM's harness, above, not counted)
     roof = dict(threads=threads, llc_bytes=roofline.LLC_BYTES, bandwidth_buffer_bytes=8 * roofline.LLC_BYTES,
-                **{f"{k}_{x}": [] for k in ROOF_PROBES for x in ("runs", "when")})
+                **{f"{k}_{x}": [] for k in ROOF_PROBES for x in ("runs", "when", "round_trip_ns")})
 
     def record(key, value, when):
         """One probe's reading; the roofline is the best any probe of the run saw (a ceiling: no
         kernel beats the machine, and a slower reading is others' load)."""
         roof[f"{key}_runs"].append(value)
         roof[f"{key}_when"].append(when)
+        # Where the threads sat for this reading: the host moves a VM's vCPUs (report.round_trips).
+        roof[f"{key}_round_trip_ns"].append(roofline.core_round_trip_ns())
         roof[ROOF_PROBES[key]] = max(roof[f"{key}_runs"])
         if key == "fma_peak" and roof.get("bf16_dot_peak_source", "").startswith("= f32"):
             roof["bf16_dot_peak_gflops"] = roof["fma_peak_gflops"]  # no bf16 dot instruction: the same peak
@@ -1032,7 +1034,8 @@ def main(argv=None):
         else:
             return
         record(key, value, "beside")
-        row["probe_beside"] = dict(key=key, value=value)  # the target's note: the row against its own minute
+        # The target's note: the row against its own minute (and where the threads sat then).
+        row["probe_beside"] = dict(key=key, value=value, round_trip_ns=roof[f"{key}_round_trip_ns"][-1])
 
     measure_roofline("before")
     ops_rows = run_ops(args.quick, impls, target, probe_beside) if "ops" in sections else []

@@ -121,6 +121,40 @@ def test_roofline_probed_beside_each_row_held_to_it(quick_run):
         held = [r for r in rows if r.get("probe_beside", {}).get("key") == key]
         assert len(held) == n and all(r["probe_beside"]["value"] in runs for r in held), (key, len(held))
     assert f"beside {want['rmw_bandwidth']} rows " in quick_run["md"]
+    # Each reading comes with where the host had put the threads (two CPUs or more: CI has two).
+    for key in want:
+        rts = roof[f"{key}_round_trip_ns"]
+        assert len(rts) == len(roof[f"{key}_runs"]), key
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert all(r is not None and 0 < r < 1e6 for r in rts), (key, rts)
+    held = [r for r in rows if r.get("probe_beside", {}).get("key") == "rmw_bandwidth"]
+    assert all(r["probe_beside"]["round_trip_ns"] in roof["rmw_bandwidth_round_trip_ns"] for r in held)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "| core-to-core round trip | " in quick_run["md"]
+
+
+def test_round_trips_group_the_readings_by_where_the_threads_sat():
+    # Two vCPUs on one CCX (~55 ns) and on two CCDs (~340 ns, each with a memory path of its own).
+    roof = {"rmw_bandwidth_runs": [55.0, 110.0, 57.0, 104.0, 58.0],
+            "rmw_bandwidth_round_trip_ns": [53.0, 340.2, 60.4, 331.0, None]}
+    assert report.round_trips(roof) == "53-60 ns at 2 readings (55.0-57.0 GB/s); 331-340 ns at 2 readings (104.0-110.0 GB/s)"
+    roof["rmw_bandwidth_round_trip_ns"] = [53.0, None, None, None, None]
+    assert report.round_trips(roof) == "53 ns at 1 reading (55.0 GB/s)"
+    assert report.round_trips({"rmw_bandwidth_runs": [55.0]}) == ""  # a results.json from before them
+
+
+def test_core_round_trip_probe():
+    from gdn_jax import _ffi
+
+    probe = _ffi._gdn_ffi.core_round_trip_ns
+    with pytest.raises(ValueError, match="two distinct CPUs"):
+        probe(0, 0)
+    # A CPU that does not exist cannot be pinned: None, no hang.
+    assert probe(0, os.cpu_count() + 7, 100) is None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        rt = probe(cpus[0], cpus[1], 2000)
+        assert rt is not None and 1 < rt < 1e6
 
 
 def test_probe_readings_as_the_report_lists_them():
