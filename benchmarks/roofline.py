@@ -103,8 +103,8 @@ def bandwidths():
 def core_round_trip_ns():
     """Median ns of a cache line's round trip between threads pinned to the first two CPUs of this
     process's affinity mask; None with fewer than two CPUs or a module without the probe. On a VM it
-    tells where the two vCPUs sit: on the Zen 4 of ffi/README.md (Limits) ~50-60 ns on one CCX and
-    ~330-370 ns across CCDs, where each thread also has a memory path of its own and the bandwidth
+    tells where the two vCPUs sit: on the Zen 4 of ffi/README.md (Limits) 50-64 ns on one CCX and
+    323-377 ns across CCDs, where each thread also has a memory path of its own and the bandwidth
     probes read about twice as much."""
     from gdn_jax import _ffi
 

@@ -64,6 +64,7 @@ double peak_gflops(float (*probe)(int64_t), int64_t flops_per_iter, int threads,
 // be pinned. Benchmarks only: it tells where a VM's two vCPUs sit (ffi/README.md, Limits).
 std::optional<double> round_trip_ns(int a, int b, int trips) {
 #if defined(__linux__)
+  if (a >= CPU_SETSIZE || b >= CPU_SETSIZE) return std::nullopt;
   auto pin = [](int cpu) {
     cpu_set_t set;
     CPU_ZERO(&set);
