@@ -141,6 +141,13 @@ def pool_slots(slot_bytes, used, cold):
     return max(used, int(np.ceil(4 * LLC_BYTES / slot_bytes)))
 
 
+def _slot_sets(rng, N, rows, shape=None):
+    """A random permutation of N slots cut into N // rows disjoint index arrays (each `shape`, default
+    [rows]) that a timing cycles through: every call meets slots the previous ones left cold."""
+    perm = rng.permutation(N)
+    return [jnp.asarray(perm[i * rows:(i + 1) * rows].reshape(shape or (rows,)), jnp.int32) for i in range(N // rows)]
+
+
 def chunk_size(n):
     """The chunk size gdn_jax's chunked prefill uses for a sequence of n tokens on the selected ISA."""
     from gdn_jax import _gdn_ffi
@@ -182,8 +189,7 @@ def case_decode(rng, B, state_dtype, impl, cold=True):
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
     pool = gdn_jax.zeros_pool((N, HV, K, V), state_dtype)
-    perm = rng.permutation(N)
-    sets = [jnp.asarray(perm[i * B:(i + 1) * B], jnp.int32) for i in range(N // B)]
+    sets = _slot_sets(rng, N, B)
     fn = jax.jit(lambda q, k, v, a, b, pool, idx: ops.fused_sigmoid_gating_delta_rule_update(
         q, k, v, a=a, b=b, A_log=A_log, dt_bias=dt, ssm_state=pool, state_indices=idx, impl=impl), donate_argnums=5)
     return fn, (q, k, v, a, b, pool, sets[0]), 5, B, 2 * B * sb, (6, sets)
@@ -236,8 +242,7 @@ def case_spec(rng, S, Q, state_dtype, impl, cold=True):
     A_log = jnp.log(jnp.linspace(1, 16, HV, dtype=jnp.float32))
     dt = jnp.zeros((HV,), jnp.float32)
     pool = gdn_jax.zeros_pool((N, HV, K, V), state_dtype)
-    perm = rng.permutation(N)
-    sets = [jnp.asarray(perm[i * T:(i + 1) * T].reshape(S, Q), jnp.int32) for i in range(N // T)]
+    sets = _slot_sets(rng, N, T, (S, Q))
     qsl = jnp.arange(0, T + 1, Q, dtype=jnp.int32)
     acc = jnp.asarray(rng.integers(1, Q + 1, size=S), jnp.int32)
     fn = jax.jit(lambda q, k, v, a, b, pool, idx: ops.fused_sigmoid_gating_delta_rule_update_spec(
@@ -282,9 +287,7 @@ def _conv_slot_sets(rng, L, rows):
     timing cycles through (cold slots, as in vLLM's harness and in a model's step, where the other
     layers evict them)."""
     N = pool_slots(L * D * 2, rows, True) // rows * rows
-    perm = rng.permutation(N)
-    return gdn_jax.zeros_pool((N, L, D), jnp.bfloat16), [jnp.asarray(perm[i * rows:(i + 1) * rows], jnp.int32)
-                                                          for i in range(N // rows)]
+    return gdn_jax.zeros_pool((N, L, D), jnp.bfloat16), _slot_sets(rng, N, rows)
 
 
 def case_conv_update(rng, B, impl):
