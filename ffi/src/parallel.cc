@@ -1,9 +1,10 @@
-// Caller-helps parallel-for: the work is cut into ranges behind an atomic counter; one
-// helper task per pool thread but one is scheduled and the caller drains ranges too, then waits
-// only for ranges already claimed. A helper that starts late finds nothing to do, so the
-// caller never waits on a task that has not started (safe when the handler itself runs on
-// a pool thread, or the pool has one thread).
+// Caller-helps parallel-for on XLA's pool: the caller is worker 0 and schedules one helper per
+// pool thread but one (worker i + 1); the workers share the ranges as WorkBlocks
+// (work_blocks.h), so a helper that starts late finds its ranges taken and the caller never
+// waits on a task that has not started (safe when the handler itself runs on a pool thread, or
+// the pool has one thread). The caller then waits only for ranges already claimed.
 #include "parallel.h"
+#include "work_blocks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -43,26 +44,27 @@ struct Job {
   Parallel::Body body;
   void* body_ctx;
   int64_t n, step, num_ranges;
-  std::atomic<int64_t> next{0};
+  std::unique_ptr<WorkBlocks> blocks;
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable cv;
 
   bool finished() const { return done.load(std::memory_order_acquire) == num_ranges; }
 
-  // Runs ranges until none is left; returns how many. Touches body/body_ctx only for claimed
-  // ranges, which the caller waits for, so a late helper never uses a dead frame.
-  int64_t drain() {
-    for (int64_t ran = 0;; ++ran) {
-      const int64_t r = next.fetch_add(1, std::memory_order_relaxed);
-      if (r >= num_ranges) return ran;
+  // Runs ranges for worker `home` (WorkBlocks) until none is left; returns how many. Touches
+  // body/body_ctx only for claimed ranges, which the caller waits for, so a late helper never
+  // uses a dead frame.
+  int64_t drain(int64_t home) {
+    const int64_t ran = blocks->drain(home, [&](int64_t r) {
       const int64_t b = r * step, e = std::min(n, b + step);
       body(body_ctx, b, e);
-      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == num_ranges) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
+    });
+    // One count per worker, not per range: the counter's cache line moves between cores once.
+    if (ran > 0 && done.fetch_add(ran, std::memory_order_acq_rel) + ran == num_ranges) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
     }
+    return ran;
   }
 };
 
@@ -83,19 +85,20 @@ void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ct
   // One more (as before 2026-12-01) put three threads on a 2-core host: the third waited ~0.6 ms
   // for a core (0.03 ms without it) and shared one with another worker (ffi/README.md, "Threads").
   const int64_t helpers = std::min<int64_t>(threads - 1, job->num_ranges - 1);
+  job->blocks = std::make_unique<WorkBlocks>(job->num_ranges, helpers + 1);
   const int64_t t_sched = now_ns();
   for (int64_t i = 0; i < helpers; ++i)
-    pool->Schedule([job, t_sched] {
+    pool->Schedule([job, t_sched, i] {
       const int64_t late = now_ns() - t_sched;
       count(kHelperStartNs, late);
       int64_t prev = g_counters[kHelperStartMaxNs].load(std::memory_order_relaxed);
       while (late > prev && !g_counters[kHelperStartMaxNs].compare_exchange_weak(prev, late)) {
       }
-      const int64_t ran = job->drain();
+      const int64_t ran = job->drain(i + 1);
       count(kHelperRanges, ran);
       if (ran == 0) count(kLateHelpers, 1);
     });
-  job->drain();
+  job->drain(0);
   const int64_t t_join = now_ns();
   // Poll (yielding, so that a helper sharing this core runs) before sleeping: see kJoinPoll.
   const auto poll_end = std::chrono::steady_clock::now() + kJoinPoll;

@@ -18,6 +18,7 @@
 #include "gdn/dispatch.h"
 #include "gdn/types.h"
 #include "memory_hints.h"
+#include "work_blocks.h"
 
 #if defined(__x86_64__)
 #include <signal.h>
@@ -101,13 +102,14 @@ double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
 // A Parallel on real threads: ranges of `grain` claimed from a counter by `threads` threads,
 // so the split and the order differ from the serial run.
 struct ThreadedParallel {
+  // Grain-sized ranges shared as the extension's parallel-for shares them (work_blocks.h).
   static void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
     const int threads = *static_cast<int*>(ctx);
-    std::atomic<int64_t> next{0};
+    WorkBlocks blocks((n + grain - 1) / grain, threads);
     std::vector<std::thread> pool;
     for (int i = 0; i < threads; ++i)
-      pool.emplace_back([&] {
-        for (int64_t b; (b = next.fetch_add(grain)) < n;) body(body_ctx, b, std::min(n, b + grain));
+      pool.emplace_back([&, i] {
+        blocks.drain(i, [&](int64_t r) { body(body_ctx, r * grain, std::min(n, (r + 1) * grain)); });
       });
     for (auto& t : pool) t.join();
   }
@@ -1486,6 +1488,39 @@ static bool isa_selected_for_tests(const std::string& isa) {
   return list.find("," + isa + ",") != std::string::npos;
 }
 
+// WorkBlocks (the parallel-for's range sharing): a worker alone runs its block in order, then
+// the others' from their backs; workers on threads claim every range exactly once.
+void test_work_blocks() {
+  {
+    WorkBlocks blocks(10, 3);  // blocks [0, 3), [3, 6), [6, 10)
+    std::vector<int64_t> order;
+    const int64_t ran = blocks.drain(1, [&](int64_t r) { order.push_back(r); });
+    const std::vector<int64_t> want = {3, 4, 5, 9, 8, 7, 6, 2, 1, 0};
+    check_true("work blocks: a lone worker's order", ran == 10 && order == want);
+    check_true("work blocks: nothing left after", blocks.drain(0, [](int64_t) {}) == 0);
+  }
+  std::mt19937 rng(5);
+  std::atomic<int64_t> bad{0};
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t R = 1 + int64_t(rng() % 64), W = 1 + int64_t(rng() % 5);
+    WorkBlocks blocks(R, W);
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(R));
+    std::atomic<int64_t> total{0};
+    std::vector<std::thread> pool;
+    for (int64_t w = 0; w < W; ++w)
+      pool.emplace_back([&, w] {
+        total += blocks.drain(w, [&](int64_t r) {
+          if (r < 0 || r >= R) return void(++bad);
+          hits[size_t(r)]++;
+        });
+      });
+    for (auto& t : pool) t.join();
+    for (auto& h : hits) bad += h.load() != 1;
+    bad += total.load() != R;
+  }
+  check_true("work blocks: 300 random cuts, each range once", bad == 0, std::to_string(bad.load()) + " bad");
+}
+
 int main() {
   std::printf("CPU features: %s\n", cpu_features().c_str());
   {
@@ -1494,6 +1529,7 @@ int main() {
     std::printf("ISAs: %s; selected: %s\n", names.c_str(), selected_isa().c_str());
   }
   test_huge_page_hint();
+  test_work_blocks();
 #if GDN_TEST_AMX
   {
     std::mt19937 rng(99);
