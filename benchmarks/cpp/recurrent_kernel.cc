@@ -28,6 +28,7 @@
 
 #include "gdn/dispatch.h"
 #include "memory_hints.h"
+#include "work_blocks.h"
 
 namespace {
 
@@ -43,13 +44,14 @@ inline void relax() {
 }
 
 // Caller-helps parallel-for on helpers that spin for the next job, or (sleep) wait for it on a
-// condition variable (ranges of n / (4 threads)). The caller's join waits for every helper, also
+// condition variable (ranges of n / (4 threads), shared as the extension shares them:
+// work_blocks.h). The caller's join waits for every helper, also
 // one that wakes after the last range (parallel.cc's waits only for claimed ranges): if anything,
 // sleeping helpers are timed pessimistically.
 class Workers {
  public:
   Workers(int threads, bool sleep) : threads_(threads), sleep_(sleep) {
-    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper(); });
+    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { helper(i); });
   }
   ~Workers() {
     {
@@ -74,7 +76,7 @@ class Workers {
     self->body_ctx_ = body_ctx;
     self->n_ = n;
     self->step_ = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + 4 * self->threads_ - 1) / (4 * self->threads_));
-    self->next_.store(0);
+    self->blocks_ = std::make_unique<gdn::WorkBlocks>((n + self->step_ - 1) / self->step_, self->threads_);
     self->busy_.store(self->threads_ - 1);
     if (self->sleep_) {
       {
@@ -85,17 +87,13 @@ class Workers {
     } else {
       self->generation_.fetch_add(1, std::memory_order_release);
     }
-    self->drain();
+    self->drain(0);
     while (self->busy_.load(std::memory_order_acquire) > 0) relax();
   }
-  void drain() {
-    for (;;) {
-      const int64_t b = next_.fetch_add(1) * step_;
-      if (b >= n_) return;
-      body_(body_ctx_, b, std::min(n_, b + step_));
-    }
+  void drain(int home) {
+    blocks_->drain(home, [&](int64_t r) { body_(body_ctx_, r * step_, std::min(n_, (r + 1) * step_)); });
   }
-  void helper() {
+  void helper(int home) {
     int seen = 0;
     for (;;) {
       int g;
@@ -111,7 +109,7 @@ class Workers {
         }
       }
       seen = g;
-      drain();
+      drain(home);
       busy_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
@@ -122,7 +120,7 @@ class Workers {
   std::vector<std::thread> helpers_;
   std::atomic<int> generation_{0}, busy_{0};
   std::atomic<bool> stop_{false};
-  std::atomic<int64_t> next_{0};
+  std::unique_ptr<gdn::WorkBlocks> blocks_;
   Parallel::Body body_ = nullptr;
   void* body_ctx_ = nullptr;
   int64_t n_ = 0, step_ = 1;
