@@ -3,7 +3,7 @@
 // from their backs. In a loop of calls of one shape each worker so keeps the same ranges, and
 // what a range writes (outputs XLA places at the same address call after call) is already in
 // the cache of the core that writes it again instead of another core's: with the two vCPUs on
-// different CCDs that move cost the conv update B = 8 a quarter of its time (ffi/README.md,
+// different CCDs that move made the conv update B = 8 take ~1.2-1.4x as long (ffi/README.md,
 // "Threads"). A worker that starts late finds its block drained by the others, so nobody waits
 // on a worker that has not started. No XLA dependency: tests/cpp runs it on std::threads.
 #pragma once
@@ -24,8 +24,6 @@ class WorkBlocks {
       blocks_[w].span.store(lo | hi << 32, std::memory_order_relaxed);
     }
   }
-
-  int64_t workers() const { return workers_; }
 
   // Calls run(r) for ranges r claimed by worker `home` (its block first, in order, then the
   // others' leftovers) until none is left; returns how many it ran. Each range is claimed once.

@@ -99,10 +99,9 @@ double softplus(double x) { return x > 20 ? x : std::log1p(std::exp(x)); }
 double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
 
 // --- linear (the layer's projections) --------------------------------------------------
-// A Parallel on real threads: ranges of `grain` claimed from a counter by `threads` threads,
-// so the split and the order differ from the serial run.
+// A Parallel on real threads: ranges of `grain` shared by `threads` threads as the extension's
+// parallel-for shares them (work_blocks.h), so the split and the order differ from the serial run.
 struct ThreadedParallel {
-  // Grain-sized ranges shared as the extension's parallel-for shares them (work_blocks.h).
   static void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ctx) {
     const int threads = *static_cast<int*>(ctx);
     WorkBlocks blocks((n + grain - 1) / grain, threads);
