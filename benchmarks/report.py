@@ -240,8 +240,14 @@ def targets(res):
                 f"{hit['error'][:90]}")
             continue
         ratio = hit["median_ms"] / r["native"]["median_ms"]
+        # Where the host had put each side's threads (ffi/README.md, Limits): the two are timed minutes apart.
+        ours_rt = (r.get("probe_beside") or {}).get("round_trip_ns")
+        placement = ""
+        if hit.get("round_trip_ns"):
+            placement = (f"threads {hit['round_trip_ns']:.0f} ns apart for vLLM, "
+                         + (f"{ours_rt:.0f} ns for gdn_jax" if ours_rt else "not read for gdn_jax"))
         note = "; ".join(x for x in (f"vLLM `{hit['op']}` {hit['median_ms']:.3f} ms, gdn_jax "
-                                     f"{r['native']['median_ms']:.3f} ms", build_note) if x)
+                                     f"{r['native']['median_ms']:.3f} ms", placement, build_note) if x)
         if hit.get("fallback"):  # "where its build has them": its fallback is shown, not graded
             add(tgt, f"{r['op']} {r['case']}", None, 1.0, "1.0x", status="not measurable here",
                 note=f"vLLM's build has no native kernel for it; its fallback: {note} ({ratio:.2f}x)")

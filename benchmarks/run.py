@@ -720,6 +720,13 @@ class PairedBench:
         return best[1]
 
 
+def _ffi_module_path():
+    """The file of gdn_jax's extension module (vLLM's harness loads it for the core round trip)."""
+    from gdn_jax import _ffi
+
+    return getattr(_ffi._gdn_ffi, "__file__", None)
+
+
 def layer_cases(quick):
     from gdn_jax import Request
 
@@ -986,7 +993,7 @@ def main(argv=None):
                                   threads=threads,
                                   wait_quiet=args.vllm_wait_quiet, timeout_s=args.vllm_timeout,
                                   sections=args.vllm_sections, retry_wait=args.vllm_retry_wait, out_name=out_name,
-                                  tuned_malloc=malloc["applied"])
+                                  tuned_malloc=malloc["applied"], round_trip_module=_ffi_module_path())
         print(f"# vLLM: {run_info['status']}" + (f" ({run_info.get('error')})" if run_info.get("error") else ""),
               flush=True)
         if not args.vllm_json:

@@ -60,6 +60,56 @@ def _gdn_jax_vllm_conv_weight(ops, w):
 '''
 
 
+ROUND_TRIP_HELPER = """
+def _gdn_jax_round_trip_ns(path={path!r}):
+    \"\"\"Inserted by gdn_jax benchmarks/run.py at run time: a cache line's round trip between the first
+    two CPUs of this process, measured by gdn_jax's extension module (loaded from its file; it needs
+    no jaxlib), so that each row says where the host had put its threads (ffi/README.md, Limits).
+    None where it cannot be measured.\"\"\"
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    try:
+        mod = sys.modules.get("_gdn_ffi")
+        if mod is None:
+            loader = importlib.machinery.ExtensionFileLoader("_gdn_ffi", path)
+            mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("_gdn_ffi", loader))
+            loader.exec_module(mod)
+            sys.modules["_gdn_ffi"] = mod
+        cpus = sorted(os.sched_getaffinity(0))
+        return mod.core_round_trip_ns(cpus[0], cpus[1]) if len(cpus) >= 2 else None
+    except Exception:
+        return None
+
+
+_gdn_jax_timed_bench = bench
+
+
+def bench(*args, **kwargs):
+    \"\"\"Inserted by gdn_jax benchmarks/run.py: the harness's bench, its stats with round_trip_ns (read
+    just before the timing) besides.\"\"\"
+    rt = _gdn_jax_round_trip_ns()
+    stats = _gdn_jax_timed_bench(*args, **kwargs)
+    if isinstance(stats, dict) and rt is not None:
+        stats["round_trip_ns"] = round(rt, 1)
+    return stats
+
+
+"""
+
+
+def patch_round_trip(src: str, module_path: str) -> str | None:
+    """The harness source with its bench() wrapped so that every timed row also records the core
+    round trip read just before it (ROUND_TRIP_HELPER, through the extension module at module_path),
+    or None if it has no module-level bench() before main()."""
+    i, j = src.find("\ndef bench("), src.find("\ndef main(")
+    if i < 0 or j < i:
+        return None
+    return src[:j + 1] + ROUND_TRIP_HELPER.format(path=module_path).lstrip("\n") + src[j + 1:]
+
+
 QUIET_WAIT_RE = re.compile(r"^QUIET_WAIT_S = [0-9.eE+-]+", re.M)
 
 
@@ -116,7 +166,8 @@ def _run(cmd, log_path, timeout_s):
 
 
 def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, timeout_s=7200,
-                sections="decode,prefill,spec", retry_wait=None, out_name="vllm_results.json", tuned_malloc=False):
+                sections="decode,prefill,spec", retry_wait=None, out_name="vllm_results.json", tuned_malloc=False,
+                round_trip_module=None):
     """Run the harness; returns a dict: status ('ok' | 'failed'), cmd, patched, json (parsed), log.
 
     sections: the harness sections to run (env is always added). retry_wait: seconds the harness
@@ -124,7 +175,9 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
     as a copy with that constant patched (on a shared host that is never quiet, 120 s per row makes
     a full-mode run last hours). out_name: its JSON's name in out_dir. tuned_malloc: the harness runs
     with glibc's malloc set as gdn_jax.tune_host_malloc sets ours (TUNED_MALLOC_LAUNCHER; it is told
-    --malloc system, so it keeps glibc)."""
+    --malloc system, so it keeps glibc). round_trip_module: the path of gdn_jax's extension module;
+    set, every row the harness times records the core round trip read just before it
+    (patch_round_trip; a harness without a bench() to wrap runs without it)."""
     import json
 
     os.makedirs(out_dir, exist_ok=True)
@@ -157,8 +210,13 @@ def run_harness(python, harness, out_dir, *, quick, threads=2, wait_quiet=30.0, 
                               "load-time rule (packed on AVX512-BF16 or ARM bf16 CPUs, else nn.Conv1d's "
                               "[dim, 1, width]; native-conv rows report errors where the build lacks them)")
         print(f"[vllm] {info['patch_note']}", file=sys.stderr, flush=True)
+    if round_trip_module is not None:
+        timed = patch_round_trip(src, round_trip_module)
+        if timed is not None:
+            src = timed
+            info["round_trip"] = True
     script = harness
-    if info["patched"] or retry_wait is not None:
+    if info["patched"] or retry_wait is not None or info.get("round_trip"):
         script = os.path.join(out_dir, "bench_vllm_cpu_patched.py")
         with open(script, "w") as f:
             f.write(src)
@@ -273,7 +331,8 @@ class Index:
             if "median_ms" in r:
                 return dict(op=op, median_ms=r["median_ms"], p10_ms=r["p10_ms"], p90_ms=r["p90_ms"],
                             tokens_per_s=r["tokens_per_s"], foreign_cores=r.get("foreign_cores"),
-                            fallback=op != ops[0], from_file=r.get("from_file"))
+                            fallback=op != ops[0], from_file=r.get("from_file"),
+                            round_trip_ns=r.get("round_trip_ns"))
             if err is None:
                 err = dict(op=op, error=r.get("error", "?"))
         return err

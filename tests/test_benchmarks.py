@@ -419,6 +419,39 @@ def test_run_harness_patches_on_the_fly(tmp_path):
     assert info["cmd"].split()[1] == str(bad)                       # nothing to patch: run as it is
 
 
+
+def test_run_harness_records_the_round_trip_beside_each_row(tmp_path):
+    """With gdn_jax's module path, the harness runs as a copy whose bench() records the core round trip
+    read just before each timing (the module loaded from its file: the harness's venv has no gdn_jax);
+    Index.pick and the vLLM target's note carry it. A harness with no bench() runs as it is."""
+    from gdn_jax import _ffi
+
+    h = tmp_path / "bench_vllm_cpu.py"
+    _fake_harness(h, top="def bench(fn, *, target_s=1.0):\n    fn(0)\n    return dict(median_ms=2.0, p10_ms=1.9, "
+                         "p90_ms=2.1)\n",
+                  dump="dict(results=[dict(case='decode_b8', op='causal_conv1d_update_cpu (native)', "
+                       "state_dtype=None, tokens=8, tokens_per_s=4000.0, **bench(lambda i: None, target_s=0.1))])")
+    out = tmp_path / "out"
+    info = vc.run_harness(sys.executable, str(h), str(out), quick=False, round_trip_module=_ffi._gdn_ffi.__file__)
+    assert info["status"] == "ok" and info["round_trip"] is True, info
+    (row,) = info["json"]["results"]
+    assert row["median_ms"] == 2.0
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert 0 < row["round_trip_ns"] < 1e6, row
+    else:  # one CPU: nothing to measure, nothing recorded
+        assert "round_trip_ns" not in row
+    hit = vc.Index(info["json"]).pick("decode_b8", vc.CONV_UPDATE, None)
+    assert hit["round_trip_ns"] == row.get("round_trip_ns")
+    ours = dict(op="conv_update", case="B=8", state=None, native=_nat(1.0), vllm_case="decode_b8",
+                vllm=dict(op="x", median_ms=2.0, round_trip_ns=330.4), probe_beside=dict(value=50.0, round_trip_ns=71.6))
+    (got,) = [x for x in report.targets(_res(ops=[ours])) if x["target"] == "never slower than vLLM's kernel (op)"]
+    assert "threads 330 ns apart for vLLM, 72 ns for gdn_jax" in got["note"], got
+    plain = tmp_path / "plain.py"
+    _fake_harness(plain, dump="dict(results=[])")
+    info = vc.run_harness(sys.executable, str(plain), str(out), quick=False, round_trip_module="/nowhere/_gdn_ffi.so")
+    assert info["status"] == "ok" and "round_trip" not in info and info["cmd"].split()[1] == str(plain)
+    assert vc.patch_round_trip("def main():\n    pass\ndef bench(fn):\n    pass\n", "m.so") is None
+
 FAULTS_STUB = """import resource
 import numpy as np
 def _block_faults():
