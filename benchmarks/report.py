@@ -427,6 +427,9 @@ def markdown(res, md_dir):
             v += f"; the harness run failed ({vllm['harness_error']}), the files' rows are used"
         if vllm.get("patched"):
             v += "; the harness " + vllm.get("patch_note", "ran as a copy patched at run time")
+        if vllm.get("round_trip"):
+            v += ("; its bench() wrapped (a patched copy) to read the core round trip before each row, shown "
+                  "beside the vLLM targets")
         L.append(f"| vLLM | {v} |")
     else:
         L.append(f"| vLLM | {vllm.get('status')}" + (f": {vllm['error']}" if vllm.get("error") else "") + " |")

@@ -537,7 +537,8 @@ def test_files_and_a_harness_run_are_merged(tmp_path):
     fake.write_text(json.dumps(FAKE_VLLM))
     h = tmp_path / "bench_vllm_cpu.py"
     row = dict(section="decode", case="decode_b8", op=KERNEL, impl="vllm-kernel", state_dtype="fp32", median_ms=2.0)
-    _fake_harness(h, top="QUIET_WAIT_S = 120.0", dump=f"dict(meta=dict(quick=False), env={{}}, results=[{row!r}])")
+    _fake_harness(h, top="QUIET_WAIT_S = 120.0\ndef bench(fn):\n    return fn()\n",
+                  dump=f"dict(meta=dict(quick=False), env={{}}, results=[{row!r}])")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("GDN_VLLM_PYTHON", None)
@@ -555,6 +556,7 @@ def test_files_and_a_harness_run_are_merged(tmp_path):
     assert json.loads(fake.read_text()) == FAKE_VLLM                       # the file is untouched
     md = (out / "RESULTS.md").read_text()
     assert "results read from a file and a harness run" in md and "set to 5 s" in md
+    assert res["vllm"]["round_trip"] is True and "read the core round trip before each row" in md
     # The run's own output path given as a file: refused, the file kept.
     clash = out / "vllm_results_run.json"
     p = subprocess.run(base + ["--vllm-json", str(clash)], capture_output=True, text=True, env=env, timeout=300,
