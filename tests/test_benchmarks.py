@@ -419,7 +419,6 @@ def test_run_harness_patches_on_the_fly(tmp_path):
     assert info["cmd"].split()[1] == str(bad)                       # nothing to patch: run as it is
 
 
-
 def test_run_harness_records_the_round_trip_beside_each_row(tmp_path):
     """With gdn_jax's module path, the harness runs as a copy whose bench() records the core round trip
     read just before each timing (the module loaded from its file: the harness's venv has no gdn_jax);
@@ -451,6 +450,7 @@ def test_run_harness_records_the_round_trip_beside_each_row(tmp_path):
     info = vc.run_harness(sys.executable, str(plain), str(out), quick=False, round_trip_module="/nowhere/_gdn_ffi.so")
     assert info["status"] == "ok" and "round_trip" not in info and info["cmd"].split()[1] == str(plain)
     assert vc.patch_round_trip("def main():\n    pass\ndef bench(fn):\n    pass\n", "m.so") is None
+
 
 FAULTS_STUB = """import resource
 import numpy as np

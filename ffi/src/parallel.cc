@@ -41,10 +41,13 @@ inline void cpu_relax() {
 }
 
 struct Job {
+  Job(Parallel::Body body, void* body_ctx, int64_t n, int64_t step, int64_t num_ranges, int64_t workers)
+      : body(body), body_ctx(body_ctx), n(n), step(step), num_ranges(num_ranges), blocks(num_ranges, workers) {}
+
   Parallel::Body body;
   void* body_ctx;
   int64_t n, step, num_ranges;
-  std::unique_ptr<WorkBlocks> blocks;
+  WorkBlocks blocks;
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable cv;
@@ -55,7 +58,7 @@ struct Job {
   // body/body_ctx only for claimed ranges, which the caller waits for, so a late helper never
   // uses a dead frame.
   int64_t drain(int64_t home) {
-    const int64_t ran = blocks->drain(home, [&](int64_t r) {
+    const int64_t ran = blocks.drain(home, [&](int64_t r) {
       const int64_t b = r * step, e = std::min(n, b + step);
       body(body_ctx, b, e);
     });
@@ -74,18 +77,14 @@ void run(void* ctx, int64_t n, int64_t grain, Parallel::Body body, void* body_ct
   grain = std::max<int64_t>(1, grain);
   // A few ranges per thread for balance, none shorter than the grain.
   const int64_t max_ranges = std::max<int64_t>(1, (n + grain - 1) / grain);
-  const int64_t num_ranges = std::min<int64_t>(max_ranges, threads * 4);
-  auto job = std::make_shared<Job>();
-  job->body = body;
-  job->body_ctx = body_ctx;
-  job->n = n;
-  job->step = (n + num_ranges - 1) / num_ranges;
-  job->num_ranges = (n + job->step - 1) / job->step;
+  const int64_t want = std::min<int64_t>(max_ranges, threads * 4);
+  const int64_t step = (n + want - 1) / want;
+  const int64_t num_ranges = (n + step - 1) / step;
   // The caller works too, so threads - 1 helpers make as many workers as the pool has threads.
   // One more (as before 2026-12-01) put three threads on a 2-core host: the third waited ~0.6 ms
   // for a core (0.03 ms without it) and shared one with another worker (ffi/README.md, "Threads").
-  const int64_t helpers = std::min<int64_t>(threads - 1, job->num_ranges - 1);
-  job->blocks = std::make_unique<WorkBlocks>(job->num_ranges, helpers + 1);
+  const int64_t helpers = std::min<int64_t>(threads - 1, num_ranges - 1);
+  auto job = std::make_shared<Job>(body, body_ctx, n, step, num_ranges, helpers + 1);
   const int64_t t_sched = now_ns();
   for (int64_t i = 0; i < helpers; ++i)
     pool->Schedule([job, t_sched, i] {
