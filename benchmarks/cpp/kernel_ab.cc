@@ -8,7 +8,7 @@
 // differ. Where the code and scratch of the two builds land still biases one process's ratio
 // by up to a few percent: kernel_ab.py runs several processes (benchmarks/README.md).
 // Qwen3-Next-80B shapes (H = 16, HV = 32, K = V = 128, conv D = 8192, W = 4), bf16 activations,
-// f32 state.
+// f32 state (the _bf16 cases: bf16).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -223,15 +223,26 @@ void qkv_rows(const Inputs& in, Args& p) {
   p.l2norm = true;
 }
 
-Case decode_case(const Inputs& in) {
-  const int64_t B = in.B, slots = in.pool_slots;
-  Case c{"decode", "B = " + std::to_string(B) + ", f32 state, " + std::to_string(slots) + " slots", nullptr, nullptr};
-  c.side = [B, slots] { return zeroed({{size_t(slots * HV * K * V) * 4, 4}, {size_t(B * HV * V) * 2, 2}}); };
-  c.call = [&in, B, slots, qsl = one_token_rows(B), acc = std::vector<int32_t>(size_t(B), 1)](
+// B rows of `tokens` tokens each from a cold pool: decode (one token, the slot updated in place)
+// or spec verify (each token's state to a slot of its own, the first from the start slot).
+Case recurrent_case(const Inputs& in, int64_t tokens, DType state, const char* name) {
+  const int64_t B = in.B, n_tok = B * tokens, es = state == DType::bf16 ? 2 : 4;
+  const int64_t slots = std::max(n_tok, in.pool_slots * 4 / es);  // the bytes of the f32 pool
+  Case c{name,
+         "B = " + std::to_string(B) + (tokens > 1 ? " x " + std::to_string(tokens) : "") +
+             (state == DType::bf16 ? ", bf16" : ", f32") + " state, " + std::to_string(slots) + " slots",
+         nullptr, nullptr};
+  std::vector<int32_t> qsl(size_t(B + 1));
+  for (int64_t i = 0; i <= B; ++i) qsl[size_t(i)] = int32_t(i * tokens);
+  c.side = [n_tok, slots, es] {
+    return zeroed({{size_t(slots * HV * K * V * es), int(es)}, {size_t(n_tok * HV * V) * 2, 2}});
+  };
+  c.call = [&in, B, tokens, n_tok, slots, state, qsl, acc = std::vector<int32_t>(size_t(B), 1)](
                const KernelTable& kt, Side& s) {
-    const std::vector<int32_t> idx = next_slots(s, B, slots);
+    const std::vector<int32_t> idx = next_slots(s, n_tok, slots);  // row i's columns: i * tokens + t
     gdn::RecurrentArgs r{};
     qkv_rows(in, r);
+    r.state = state;
     r.a = in.a.p.get();
     r.b = in.b.p.get();
     r.A_log = in.A_log.as<float>();
@@ -241,8 +252,8 @@ Case decode_case(const Inputs& in) {
     r.query_start_loc = qsl.data();
     r.state_indices = idx.data();
     r.num_accepted = acc.data();
-    r.index_cols = 1;
-    r.T = B;
+    r.index_cols = tokens;
+    r.T = n_tok;
     r.S = B;
     r.N = slots;
     kt.recurrent(r, Parallel{});
@@ -344,7 +355,8 @@ double time_calls(const Case& c, const KernelTable& kt, Side& s, int calls) {
 
 int usage(const char* why) {
   std::fprintf(stderr,
-               "%s\nusage: gdn_kernel_ab [--cases gating,conv_fwd,conv_update,decode,chunk,conv_chunk] "
+               "%s\nusage: gdn_kernel_ab [--cases gating,conv_fwd,conv_update,decode,decode_bf16,spec,spec_bf16,chunk,"
+               "conv_chunk] "
                "[--tokens T] [--batch B] [--pool-mib M] [--rounds R] [--round-ms MS] [--expect-same-bits 0|1]\n",
                why);
   return 2;
@@ -386,7 +398,7 @@ int main(int argc, char** argv) {
   gdn::GDN_AB_BASE_NS::fill_table(base);
   base.isa = GDN_AB_ISA_NAME;
 
-  const int64_t rows = std::max(T, B);
+  const int64_t rows = std::max(T, 4 * B);  // spec: B rows of 4 tokens
   Inputs in{T, B, std::max<int64_t>(B, (pool_mib << 20) / (HV * K * V * 4)), normal_bf16(size_t(rows * D), 1.f),
             normal_bf16(size_t(rows * HV), 1.f), normal_bf16(size_t(rows * HV), 1.f), Buf(HV * 4), Buf(HV * 4),
             normal_bf16(size_t(std::max(rows * D, D * W)), 0.5f)};
@@ -408,7 +420,10 @@ int main(int argc, char** argv) {
     if (name == "gating") c = gating_case(in);
     else if (name == "conv_fwd") c = conv_fwd_case(in);
     else if (name == "conv_update") c = conv_update_case(in);
-    else if (name == "decode") c = decode_case(in);
+    else if (name == "decode") c = recurrent_case(in, 1, DType::f32, "decode");
+    else if (name == "decode_bf16") c = recurrent_case(in, 1, DType::bf16, "decode_bf16");
+    else if (name == "spec") c = recurrent_case(in, 4, DType::f32, "spec");
+    else if (name == "spec_bf16") c = recurrent_case(in, 4, DType::bf16, "spec_bf16");
     else if (name == "chunk") c = chunk_case(in, false);
     else if (name == "conv_chunk") c = chunk_case(in, true);
     else return usage(("unknown case " + name).c_str());
