@@ -86,29 +86,60 @@ struct RecGroup {
   alignas(64) float kh[kRecTokGroup][kRecMaxDim];  // k̂
 };
 
-// kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
-// This pass reads the block from memory (the fused pass then reads it from L1); a bf16 block
-// was prefetched by the previous block's fused pass (rec_pass). stash (kStash): the block as
-// read, widened to f32 (row stride kRecBlock), so that the first token's pass reads it without
-// widening every element a second time.
+// Rows r and r + 1 of a block of NV vectors (row stride ld) prefetched into L2 (see rec_pass):
+// their lines [first, end) of each row, kHalf 0 all of them, 1 the first half, 2 the rest.
+// The lines are expanded at compile time: with a loop here GCC changed how it kept the
+// accumulators of the loops around it (rec_kv's went to the stack).
+template <size_t kFirst, size_t... I>
+GDN_REC_INLINE void rec_prefetch_lines(const char* r0, const char* r1, std::index_sequence<I...>) {
+  ((__builtin_prefetch(r0 + 64 * (kFirst + I), 0, 2), __builtin_prefetch(r1 + 64 * (kFirst + I), 0, 2)), ...);
+}
+template <int NV, int kHalf = 0, class ST>
+GDN_REC_INLINE void rec_prefetch_rows(const ST* r, int64_t ld) {
+  constexpr size_t kLines = (size_t(NV) * kLanes * sizeof(ST) + 63) / 64;
+  constexpr size_t kFirst = kHalf == 2 ? kLines / 2 : 0, kEnd = kHalf == 1 ? kLines / 2 : kLines;
+  rec_prefetch_lines<kFirst>(reinterpret_cast<const char*>(r), reinterpret_cast<const char*>(r + ld),
+                             std::make_index_sequence<kEnd - kFirst>());
+}
+
+// Rows k and k + 1 of rec_kv: a0 / a1 += row * kh (stash: see rec_kv).
 template <int NV, bool kFull, bool kStash, bool kPair, class Src>
-GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv, float* stash) {
+GDN_REC_INLINE void rec_kv_rows(const Src* s, int64_t ld, int64_t k, const float* kh, int ncol, float* stash, VF* a0,
+                                VF* a1) {
+  const VF k0 = vset1(kh[k]), k1 = vset1(kh[k + 1]);
+  const Src* r0 = s + k * ld;
+  const Src* r1 = r0 + ld;
+  for (int c = 0; c < NV; ++c) {
+    const VF x0 = rec_ld<kFull, kPair>(r0 + c * kLanes, ncol), x1 = rec_ld<kFull, kPair>(r1 + c * kLanes, ncol);
+    if (kStash) {
+      vstore(stash + k * kRecBlock + c * kLanes, x0);
+      vstore(stash + (k + 1) * kRecBlock + c * kLanes, x1);
+    }
+    a0[c] = vfma(x0, k0, a0[c]);
+    a1[c] = vfma(x1, k1, a1[c]);
+  }
+}
+
+// kv[c] = sum_k S[k, c] * kh[k]: two interleaved accumulators (even / odd k), then summed.
+// This pass reads the block from memory (the fused pass then reads it from L1 or L2); its rows
+// were prefetched beside the previous block's passes. stash (kStash): the block as read,
+// widened to f32 (row stride kRecBlock), so that the first token's pass reads it without
+// widening every element a second time. kPf (an f32 decode row in wide blocks): this pass
+// prefetches the first half of each row of the next block pf (row stride pf_ld), its pass the
+// rest, so that the next block's reads are in flight through both passes; and its accumulators
+// go through L1 after every row pair (the empty asm), which paces the loop to about half its
+// speed from L2. Both measured (ffi/README.md, Recurrent decode / spec, "Prefetch in both
+// passes"): without the pacing the split gained a third as much.
+template <int NV, bool kFull, bool kStash, bool kPair, bool kPf, class Src, class ST>
+GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, int ncol, VF* kv, float* stash,
+                        const ST* pf, int64_t pf_ld) {
   VF a0[NV], a1[NV];
   for (int c = 0; c < NV; ++c) a0[c] = a1[c] = vzero();
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    const VF k0 = vset1(kh[k]), k1 = vset1(kh[k + 1]);
-    const Src* r0 = s + k * ld;
-    const Src* r1 = r0 + ld;
-    for (int c = 0; c < NV; ++c) {
-      const VF x0 = rec_ld<kFull, kPair>(r0 + c * kLanes, ncol), x1 = rec_ld<kFull, kPair>(r1 + c * kLanes, ncol);
-      if (kStash) {
-        vstore(stash + k * kRecBlock + c * kLanes, x0);
-        vstore(stash + (k + 1) * kRecBlock + c * kLanes, x1);
-      }
-      a0[c] = vfma(x0, k0, a0[c]);
-      a1[c] = vfma(x1, k1, a1[c]);
-    }
+    if constexpr (kPf) rec_prefetch_rows<NV, 1>(pf + k * pf_ld, pf_ld);
+    rec_kv_rows<NV, kFull, kStash, kPair>(s, ld, k, kh, ncol, stash, a0, a1);
+    if constexpr (kPf) asm volatile("" : : "r"(a0), "r"(a1) : "memory");  // the pacing (above)
   }
   if (k < K) {
     const VF k0 = vset1(kh[k]);
@@ -152,12 +183,12 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 // over a spec group's passes: ffi/README.md, "Recurrent decode / spec"). Into L2 (locality 2,
 // prefetcht1), not L1: on Zen 4 an L1 prefetch holds one of the few L1 miss buffers until its
 // line arrives and the pass reached ~20 GB/s per thread; into L2 ~32 (decode B = 8 f32 kernel,
-// two threads, 0.95 -> 0.6-0.76 ms; Zen 3 measured the same both ways).
+// two threads, 0.95 -> 0.6-0.76 ms; Zen 3 measured the same both ways). pf_rest: rec_kv took the
+// first half of each row's lines (kPf there), this pass takes the rest, of every row pair.
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, int LD, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
-                          VF* kvn, const ST* pf, int pf_phase, int pf_every) {
-  constexpr int kLineElems = 64 / int(sizeof(ST));
+                          VF* kvn, const ST* pf, int pf_phase, int pf_every, bool pf_rest) {
   VF oa[NV], na[NV];
   for (int c = 0; c < NV; ++c) oa[c] = na[c] = vzero();
   const VF va = vset1(alpha);
@@ -165,10 +196,8 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
   int ph = 0;
   for (; k + 1 < K; k += 2) {
     if (pf != nullptr && ph == pf_phase) {  // see above
-      for (int e = 0; e < NV * kLanes; e += kLineElems) {
-        __builtin_prefetch(pf + k * d_ld + e, 0, 2);
-        __builtin_prefetch(pf + (k + 1) * d_ld + e, 0, 2);
-      }
+      if (pf_rest) rec_prefetch_rows<NV, 2>(pf + k * d_ld, d_ld);
+      else rec_prefetch_rows<NV>(pf + k * d_ld, d_ld);
     }
     if (++ph == pf_every) ph = 0;
     rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * LD, va, d, kh[k],
@@ -189,10 +218,11 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
 template <int NV, bool kFull, bool kPair, int LD, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
-                         const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every) {
+                         const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every,
+                         bool pf_rest) {
 #define GDN_REC_PASS(kNext, kLoc, kNT)                                                                       \
   rec_pass<NV, kFull, kNext, kLoc, kNT, kPair, LD>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, \
-                                               pf_phase, pf_every)
+                                               pf_phase, pf_every, pf_rest)
   if (kFull && nt) {
     if (next) {
       if (use_loc) GDN_REC_PASS(true, true, kFull);
@@ -233,7 +263,19 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   constexpr bool kStash = kRecStashBf16 && !std::is_same<Src, float>::value && !kPair;
   static_assert(!kStash || LD == kRecBlock, "rec_kv stashes with the narrow blocks' row stride");
   VF kv[NV], o[NV], d[NV];
-  rec_kv<NV, kFull, kStash, kPair && std::is_same<Src, bf16>::value>(src, s_ld, K, g.kh[0], ncol, kv, loc);
+  // Where the next block's rows are prefetched: an f32 decode row (one token) in wide blocks
+  // shares each row's lines between rec_kv (the first half) and its pass (the rest); otherwise
+  // the token passes take whole rows in turns (rec_pass). AVX2's 32-column blocks measured 1.03x
+  // that way on a Zen 4 (kernel_ab --isa avx2) and keep the passes' prefetch.
+  constexpr bool kKvPair = kPair && std::is_same<Src, bf16>::value;
+  constexpr bool kKvPf = kF32 && kRecWideVF > 0 && NV == kRecWideVF;
+  const bool kv_pf = kKvPf && g.n == 1 && pf != nullptr;
+  bool kv_done = false;
+  if constexpr (kKvPf) {
+    if (kv_pf) rec_kv<NV, kFull, kStash, kKvPair, true>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
+    kv_done = kv_pf;
+  }
+  if (!kv_done) rec_kv<NV, kFull, kStash, kKvPair, false>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
@@ -246,16 +288,16 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     if (t == 0) {
       if constexpr (kStash)  // loc -> loc in place, as below
         rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, static_cast<const float*>(loc), LD, dst, V, loc, K,
-                                       g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n);
+                                       g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n, kv_pf);
       else
         rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                                       khn, ncol, o, kv, pf, 0, g.n);
+                                       khn, ncol, o, kv, pf, 0, g.n, kv_pf);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
       const int64_t cont_ld = prev_loc ? LD : V;
       rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t],
-                                     g.qh[t], khn, ncol, o, kv, pf, t, g.n);
+                                     g.qh[t], khn, ncol, o, kv, pf, t, g.n, kv_pf);
     }
     for (int c = 0; c < NV; ++c) rec_st<kFull, kPair>(g.o[t] + col + c * kLanes, o[c], ncol);
     prev_loc = use_loc;
