@@ -5,10 +5,10 @@ with CMake's GDN_AB_BASE / GDN_AB_ISA, which compiles that revision's ISA unit b
 and runs it in --processes fresh processes pinned to one CPU. Each case (Qwen3-Next-80B shapes,
 bf16 activations, f32 state unless the case says bf16) calls both builds in turn and prints the
 median and p25-p75 of the per-round ratios new / base and whether the two wrote the same bits;
-the summary is the median of the processes' medians with their range. The same source on both sides reads within ~2% of 1
-(benchmarks/README.md, "A kernel change against a base revision"). It times the kernels alone on
-one thread: a change that moves the serving step's memory traffic or threads still needs the step
-timed (benchmarks/run.py, step_overhead.py).
+the summary is the median of the processes' medians with their range. The same source on both
+sides reads within ~2% of 1 (benchmarks/README.md, "A kernel change against a base revision"). It
+times the kernels alone on one thread: a change that moves the serving step's memory traffic or
+threads still needs the step timed (benchmarks/run.py, step_overhead.py).
 
     PYTHONPATH=. python benchmarks/kernel_ab.py                      # HEAD against the working tree
     PYTHONPATH=. python benchmarks/kernel_ab.py --base HEAD~2 --cases chunk,conv_chunk --rounds 20
@@ -16,7 +16,8 @@ timed (benchmarks/run.py, step_overhead.py).
 
 Cases: gating, conv_fwd (T tokens), conv_update (B rows, a cold pool), decode and decode_bf16 (the
 recurrence, B rows, a cold pool of --pool-mib, f32 or bf16 state), spec and spec_bf16 (B rows of 4
-tokens), chunk (T tokens from a state), conv_chunk (the serving step's fused conv + chunk). The two revisions' ffi/include/gdn/types.h must be the same (CMake checks).
+tokens), chunk (T tokens from a state), conv_chunk (the serving step's fused conv + chunk). The
+two revisions' ffi/include/gdn/types.h must be the same (CMake checks).
 """
 from __future__ import annotations
 
