@@ -270,12 +270,11 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   constexpr bool kKvPair = kPair && std::is_same<Src, bf16>::value;
   constexpr bool kKvPf = kF32 && kRecWideVF > 0 && NV == kRecWideVF;
   const bool kv_pf = kKvPf && g.n == 1 && pf != nullptr;
-  bool kv_done = false;
-  if constexpr (kKvPf) {
-    if (kv_pf) rec_kv<NV, kFull, kStash, kKvPair, true>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
-    kv_done = kv_pf;
+  if (kv_pf) {
+    if constexpr (kKvPf) rec_kv<NV, kFull, kStash, kKvPair, true>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
+  } else {
+    rec_kv<NV, kFull, kStash, kKvPair, false>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
   }
-  if (!kv_done) rec_kv<NV, kFull, kStash, kKvPair, false>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
