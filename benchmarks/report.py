@@ -23,7 +23,16 @@ def fmt(v, spec=".3f", none="-"):
     return none if v is None else format(v, spec)
 
 
-BANDWIDTH_NAMES = {"rmw": "read-modify-write bandwidth", "read": "read bandwidth", "copy": "copy bandwidth"}
+BANDWIDTH_NAMES = {"rmw": "read-modify-write bandwidth", "read": "read bandwidth", "copy": "copy bandwidth",
+                   "spec": "spec-pattern bandwidth"}
+
+
+def is_spec_row(row):
+    """A spec verify row (the op or the layer step, not the spec step's conv update): besides the
+    read-modify-write bandwidth its target names, it is rated against the probe of its own pattern
+    (roofline.BANDWIDTH_MODES "spec": a start slot read and written back, three more written with
+    non-temporal stores), which moves 4 bytes written per byte read where the rmw probe moves 1."""
+    return row.get("op") == "spec" or ("op" not in row and str(row.get("case", "")).startswith("spec"))
 
 
 def bandwidth_kind(row):
@@ -57,6 +66,8 @@ def add_rates(row, st, roof, suffix=""):
         if roof.get("fma_peak_gflops"):  # the prefill target's yardstick (issue #20: "the measured FMA peak")
             row["frac_fma_peak" + suffix] = rate / roof["fma_peak_gflops"]
         peak, name = relevant_peak(roof)
+    if row["unit"] == "bytes" and is_spec_row(row) and roof.get("spec_bandwidth_gbs"):
+        row["frac_spec_pattern" + suffix] = rate / roof["spec_bandwidth_gbs"]
     if peak:
         row["roofline"], row["frac_roofline" + suffix] = name, rate / peak
         if rate > peak:
@@ -149,7 +160,22 @@ def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
         note += f"; the probe just before the row read {beside['value']:.1f} {unit} ({100 * rate / beside['value']:.0f}% of it)"
         if beside.get("round_trip_ns"):
             note += f", its threads {beside['round_trip_ns']:.0f} ns apart"
+    if f"frac_spec_pattern{suffix}" in row:
+        note += _spec_pattern_note(row, rate, suffix)
     return add(target, case, row[f"{key}{suffix}"], thr, f"{100 * thr:.0f}%", note=note)
+
+
+def _spec_pattern_note(row, rate, suffix):
+    """A spec row against the probe of its own access pattern: the run's best reading and the one
+    just before the row (where run.py took it)."""
+    frac = row[f"frac_spec_pattern{suffix}"]
+    note = f"; {100 * frac:.0f}% of the run's best spec-pattern reading"
+    pat = row.get("pattern_probe_beside")
+    if pat and pat.get("value"):
+        note += f", {100 * rate / pat['value']:.0f}% of the one just before the row ({pat['value']:.1f} GB/s)"
+    if frac > 1:
+        note += " (above it: that probe undercounts the machine)"
+    return note
 
 
 def targets(res):
@@ -446,6 +472,9 @@ def markdown(res, md_dir):
           f"({_runs(roof, 'read_bandwidth')}) |",
           f"| copy bandwidth | {fmt(roof.get('copy_bandwidth_gbs'), '.1f')} GB/s | dst = src, the stores' "
           f"read-for-ownership not counted; same probe ({_runs(roof, 'copy_bandwidth')}) |",
+          f"| spec-pattern bandwidth | {fmt(roof.get('spec_bandwidth_gbs'), '.1f')} GB/s | the spec verify's "
+          "access pattern: per 4 slots one read and written back in place, the other three written with the "
+          f"kernels' non-temporal stores (1 byte read per 4 written); same probe ({_runs(roof, 'spec_bandwidth')}) |",
           f"| f32 FMA peak | {fmt(roof.get('fma_peak_gflops'), '.1f')} GFLOP/s | `fma_probe` of the {env.get('isa')} "
           f"kernels, {roof.get('threads')} threads; best of the probes as above ({_runs(roof, 'fma_peak')}) |",
           f"| bf16 dot-product peak | {fmt(roof.get('bf16_dot_peak_gflops'), '.1f')} GFLOP/s | "
@@ -458,7 +487,9 @@ def markdown(res, md_dir):
     L += ["",
           "Decode, spec and conv-update rows report state bytes moved per second (read + written; the conv "
           "update's x and y besides) against the read-modify-write bandwidth (decode_pool rows report theirs "
-          "without a roofline: their slots stay in the LLC between calls), conv prefill rows activation bytes against the copy bandwidth; chunk and "
+          "without a roofline: their slots stay in the LLC between calls; spec rows, whose bytes are four-fifths "
+          "writes, also against the spec-pattern bandwidth, in the targets' notes), conv prefill rows activation "
+          "bytes against the copy bandwidth; chunk and "
           "prefill rows report the chunked algorithm's GFLOP/s (`run.chunk_flops`: ffi/README.md's count for the "
           f"chunk kernel at the chunk size gdn_jax uses, C = {res.get('chunk', 64)}; 8.0 MFLOP per value head and "
           "64-token chunk, 3.5 per 32-token chunk) against the bf16 dot-product peak; every implementation's "

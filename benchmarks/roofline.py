@@ -52,8 +52,11 @@ def llc_bytes(default=32 << 20, sysfs="/sys/devices/system/cpu"):
 LLC_BYTES = llc_bytes()
 PIECE = 16384  # floats per work item of the probe (64 KiB, one f32 state head)
 
-# mode of the probe, and the bytes a call moves per byte of its buffer (read + written).
-BANDWIDTH_MODES = {"rmw": (0, 2), "read": (1, 1), "copy": (2, 2)}
+# mode of the probe, and the bytes a call moves per byte of its buffer (read + written). spec:
+# the spec verify's pattern, in groups of SPEC_GROUP pieces (the first read and written back in
+# place, the others written with non-temporal stores): 1 + SPEC_GROUP bytes per SPEC_GROUP.
+SPEC_GROUP = 4
+BANDWIDTH_MODES = {"rmw": (0, 2), "read": (1, 1), "copy": (2, 2), "spec": (3, (1 + SPEC_GROUP) / SPEC_GROUP)}
 
 
 def _probe_call(mode):
@@ -70,12 +73,13 @@ def _probe_call(mode):
 
 def bandwidth_gbs(kind, nbytes=8 * LLC_BYTES, reps=7):
     """GB/s (bytes read + written) of the fastest of `reps` probe calls (a ceiling: no call can beat
-    the machine, and on a shared host the slower ones are others' load) of `kind` (rmw, read, copy) over a
-    buffer of nbytes (default 8x the LLC, so no pass finds its data in cache), after two untimed
+    the machine, and on a shared host the slower ones are others' load) of `kind` (rmw, read, copy, spec)
+    over a buffer of nbytes (default 8x the LLC, so no pass finds its data in cache), after two untimed
     calls that fault the pages in. A copy's stores count once: its read-for-ownership is not counted,
     as no kernel's bytes count one."""
     mode, per_byte = BANDWIDTH_MODES[kind]
-    n = max(PIECE, nbytes // 4 // PIECE * PIECE)
+    unit = PIECE * (SPEC_GROUP if kind == "spec" else 1)
+    n = max(unit, nbytes // 4 // unit * unit)
     fn = _probe_call(mode)
     # Made like the state pools (gdn_jax.zeros_pool: huge pages where the pools get them), so the
     # probe and the kernels it bounds run on the same page size.
@@ -96,7 +100,7 @@ def bandwidth_gbs(kind, nbytes=8 * LLC_BYTES, reps=7):
 
 
 def bandwidths():
-    """The three bandwidths of one measurement, GB/s."""
+    """The bandwidths of one measurement (each of BANDWIDTH_MODES), GB/s."""
     return {k: bandwidth_gbs(k) for k in BANDWIDTH_MODES}
 
 

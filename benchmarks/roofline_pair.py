@@ -1,6 +1,6 @@
 """The roofline probes and the decode op, in turn (ffi/README.md, "Limits"): each round runs the native
-read-modify-write / read / copy probes, the old numpy 2-thread copy and the decode op (cold pool), so
-that the ratios decode / probe hold on a shared host whose load changes between rounds.
+read-modify-write / read / copy / spec-pattern probes, the old numpy 2-thread copy and the decode op
+(cold pool), so that the ratios decode / probe hold on a shared host whose load changes between rounds.
 
     PYTHONPATH=. python benchmarks/roofline_pair.py --batch 32 --rounds 8
 """
@@ -44,7 +44,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     fn, fargs, didx, tokens, work, rot = R.case_decode(np.random.default_rng(0), args.batch, jnp.float32, "native")
     fargs = list(fargs)
-    rows = {k: [] for k in ("rmw", "read", "copy", "numpy_copy", "decode")}
+    rows = {k: [] for k in (*roofline.BANDWIDTH_MODES, "numpy_copy", "decode")}
     for _ in range(args.rounds):
         for k in roofline.BANDWIDTH_MODES:
             rows[k].append(roofline.bandwidth_gbs(k, reps=3))

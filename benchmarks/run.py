@@ -6,9 +6,10 @@ activations), everything jitted with the caches donated, as a user calls it:
 * layer: the serving steps (conv + gating + recurrence: GDNAttention.decode / spec_decode /
   prefill) against the fastest pure-JAX version we know (../shared/bench/jnp_baseline, same
   cases, cold state pools larger than the LLC) and against vLLM's GDN forward and core kernel;
-* roofline: this machine's read-modify-write, read and copy bandwidths (roofline.py: a native probe
-  over 8x the LLC), f32 FMA peak and bf16 dot-product peak, measured here; decode/spec rows report
-  state GB/s and its fraction of the read-modify-write bandwidth, prefill rows GFLOP/s (the chunked
+* roofline: this machine's read-modify-write, read, copy and spec-pattern bandwidths (roofline.py: a
+  native probe over 8x the LLC), f32 FMA peak and bf16 dot-product peak, measured here; decode/spec
+  rows report state GB/s and its fraction of the read-modify-write bandwidth (spec rows also of the
+  spec pattern's, in the targets' notes), prefill rows GFLOP/s (the chunked
   algorithm's flops) and the fraction of the bf16 dot-product peak (the prefill target: of the f32
   FMA peak, report.targets).
 
@@ -1028,7 +1029,8 @@ def main(argv=None):
         roof["bf16_dot_peak_gflops"], roof["bf16_dot_peak_source"] = roofline.bf16_dot_peak(env["isa"], threads,
                                                                                           roof["fma_peak_gflops"])
         print(f"# roofline ({when}): bandwidth (read + written, XLA's pool) read-modify-write {bws['rmw']:.1f} "
-              f"GB/s, read {bws['read']:.1f}, copy {bws['copy']:.1f}; f32 FMA peak {roof['fma_peak_runs'][-1]:.1f} "
+              f"GB/s, read {bws['read']:.1f}, copy {bws['copy']:.1f}, spec pattern {bws['spec']:.1f}; "
+              f"f32 FMA peak {roof['fma_peak_runs'][-1]:.1f} "
               f"GFLOP/s ({env['isa']}, {threads} threads), bf16 dot peak "
               f"{report.fmt(roof['bf16_dot_peak_gflops'], '.1f')} ({roof['bf16_dot_peak_source']})", flush=True)
 
@@ -1046,6 +1048,11 @@ def main(argv=None):
         record(key, value, "beside")
         # The target's note: the row against its own minute (and where the threads sat then).
         row["probe_beside"] = dict(key=key, value=value, round_trip_ns=roof[f"{key}_round_trip_ns"][-1])
+        if report.is_spec_row(row):  # and against its own access pattern (report.is_spec_row)
+            value = roofline.bandwidth_gbs("spec")
+            record("spec_bandwidth", value, "beside")
+            row["pattern_probe_beside"] = dict(key="spec_bandwidth", value=value,
+                                               round_trip_ns=roof["spec_bandwidth_round_trip_ns"][-1])
 
     measure_roofline("before")
     ops_rows = run_ops(args.quick, impls, target, probe_beside) if "ops" in sections else []

@@ -1017,8 +1017,20 @@ void test_huge_page_hint() {
 // The benchmarks' peak probes count their work right: the f32 FMA probe sums to
 // iters * fmas * 2^-20 exactly (each FMA adds 2^-10 * 2^-10), and the bf16 dot probe (present
 // exactly on the ISAs with a bf16 dot instruction) to iters * macs * 2^-20 (its operands are 1
-// and 2^-20, see probe.h).
+// and 2^-20, see probe.h). The spec-pattern piece rewrites its piece in place (x * 0.5 + 0.5)
+// and gives the three pieces after it the same values, through this ISA's streamed stores.
 void test_probes(const std::string& isa, const KernelTable& kt) {
+  {
+    const int64_t n = 16384;
+    std::vector<float> mem(size_t(4 * n + 16));
+    float* buf = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64 / sizeof(float);
+    for (int64_t i = 0; i < 4 * n; ++i) buf[i] = float(i % 1000) - (i >= n ? 7.f : 0.f);
+    const float first = kt.spec_probe_piece(buf, n);
+    bool ok = first == 0.5f;
+    for (int c = 0; c < 4; ++c)
+      for (int64_t i = 0; i < n; ++i) ok = ok && buf[c * n + i] == float(i % 1000) * 0.5f + 0.5f;
+    check_true("spec_probe_piece " + isa + ": the piece rewritten in place, copied to the next three", ok);
+  }
   {  // every accumulator gains exactly 2^-10 * 2^-10 per iteration
     const int64_t iters = 256;
     const double want_sum = double(iters) * double(kt.fma_probe_flops / 2) * std::ldexp(1.0, -20);

@@ -164,6 +164,8 @@ struct KernelTable {
   // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.
   float (*bf16_dot_probe)(int64_t iters) = nullptr;
   int64_t bf16_dot_probe_flops = 0;  // per iteration
+  // benchmarks: the spec verify's state traffic on one piece of n floats (probe.h).
+  float (*spec_probe_piece)(float* dst, int64_t n) = nullptr;
   // tests: n f32 values through this ISA's vector f32 -> bf16 store (the kernels' rounding).
   void (*round_bf16)(const float* x, bf16* y, int64_t n) = nullptr;
   // tests: the same through the pair order of the recurrence's bf16 state (vec_avx2.h; the

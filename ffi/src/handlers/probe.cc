@@ -3,16 +3,23 @@
 // intra-op pool through make_parallel, in 64 KiB pieces (one f32 state head, the decode
 // kernel's work item), `threads x 4` caller-helps ranges. mode 0 (rmw): dst = dst * a + b
 // in place (the decode's read-modify-write of a slot); 1 (read): sum of dst; 2 (copy):
-// dst = src. dst is aliased to result 0; result 1 is a sum, so no pass can be optimised out.
+// dst = src; 3 (spec): groups of 4 pieces, the first read and written in place as in mode 0
+// and its result written to the other three with the selected ISA's non-temporal stores (the
+// spec verify's traffic: a row of 4 tokens reads its start slot and writes 4 states, one of
+// them back into that slot; kernels/probe.h). dst is aliased to result 0; result 1 is a sum
+// (mode 3: of each group's first value), so no pass can be optimised out.
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "gdn/dispatch.h"
 #include "handlers/common.h"
 
 namespace gdn {
 namespace {
 
 constexpr int64_t kPiece = 16384;  // floats: 64 KiB, one K = V = 128 f32 head
+constexpr int64_t kSpecGroup = 4;  // mode 3: pieces per group (1 read, 4 written)
 typedef float V4 __attribute__((vector_size(16)));  // SSE2 / NEON width: every x86-64 and arm64 has it
 
 // One piece of n floats (a multiple of 32), eight vectors (two 64-byte lines) per iteration.
@@ -56,17 +63,24 @@ ffi::Error BandwidthProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> src, f
                               ffi::Result<ffi::Buffer<ffi::F32>> dst_out, ffi::Result<ffi::Buffer<ffi::F32>> sum,
                               int32_t mode) {
   const char* op = "bandwidth_probe";
-  if (mode < 0 || mode > 2) return bad(op, "mode must be 0 (rmw), 1 (read) or 2 (copy)");
+  if (mode < 0 || mode > 3) return bad(op, "mode must be 0 (rmw), 1 (read), 2 (copy) or 3 (spec)");
   if (dst_out->untyped_data() != dst.untyped_data()) return bad(op, "dst is not aliased to its result");
   const int64_t n = int64_t(dst.element_count());
   if (n % kPiece != 0) return bad(op, "dst must hold a multiple of 16384 floats");
   if (mode == 2 && int64_t(src.element_count()) != n) return bad(op, "src must be as large as dst for a copy");
-  const int64_t pieces = n / kPiece;
-  std::vector<float> part(size_t(pieces), 0.f);
-  const float* s = src.typed_data();
   float* d = dst.typed_data();
-  make_parallel(&pool)(pieces, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) part[size_t(p)] = piece(mode, s + (mode == 2 ? p * kPiece : 0), d + p * kPiece, kPiece);
+  if (mode == 3) {
+    if (n % (kSpecGroup * kPiece) != 0) return bad(op, "dst must hold a multiple of 4 x 16384 floats for mode 3");
+    if (reinterpret_cast<uintptr_t>(d) % 64 != 0) return bad(op, "dst must be 64-byte aligned for mode 3");
+  }
+  const int64_t pieces = n / kPiece, items = mode == 3 ? pieces / kSpecGroup : pieces;
+  std::vector<float> part(size_t(items), 0.f);
+  const float* s = src.typed_data();
+  const KernelTable& kt = current_table();
+  make_parallel(&pool)(items, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      part[size_t(p)] = mode == 3 ? kt.spec_probe_piece(d + p * kSpecGroup * kPiece, kPiece)
+                                  : piece(mode, s + (mode == 2 ? p * kPiece : 0), d + p * kPiece, kPiece);
   });
   float t = 0.f;
   for (float x : part) t += x;

@@ -56,6 +56,28 @@ inline float fma_probe(int64_t iters) {
   return vsum(s);
 }
 
+// The spec verify's state traffic, for the bandwidth probe (handlers/probe.cc, mode 3): a piece
+// of n floats (a multiple of 2 kLanes) read and written back in place (x * 0.5 + 0.5: a row's
+// start slot, which one of its tokens' states lands in) and the result written to the
+// kSpecProbeCopies pieces after it with the stores the kernel gives the states of the row's
+// other tokens (vstream: non-temporal where the ISA has them; all pieces 64-byte aligned).
+// Returns the piece's first value (the probe's checksum).
+constexpr int kSpecProbeCopies = 3;
+inline float spec_probe_piece(float* dst, int64_t n) {
+  const VF h = vset1(0.5f);
+  for (int64_t i = 0; i < n; i += 2 * kLanes) {
+    const VF x0 = vfma(vload(dst + i), h, h), x1 = vfma(vload(dst + i + kLanes), h, h);
+    vstore(dst + i, x0);
+    vstore(dst + i + kLanes, x1);
+    for (int c = 1; c <= kSpecProbeCopies; ++c) {
+      vstream(dst + c * n + i, x0);
+      vstream(dst + c * n + i + kLanes, x1);
+    }
+  }
+  vstream_fence();
+  return dst[0];
+}
+
 // bf16 dot products, on the ISAs that have an instruction for them: bf16 pairs a = 1 and
 // b = 2^-20 into zeroed f32 accumulators, so after `iters` iterations the result is exactly
 // iters * kBf16ProbeMacs * 2^-20 (while that stays below 2^4: iters * macs <= 2^24).
