@@ -144,6 +144,10 @@ struct LinearArgs {
   int64_t T, in, out;
 };
 
+// The bandwidth probe's spec pattern: pieces per group, the first read and written back, the
+// others written (a spec row of 4 tokens: its start slot read, 4 states written).
+constexpr int64_t kSpecProbeGroup = 4;
+
 struct KernelTable {
   const char* isa = nullptr;
   void (*gating)(const GatingArgs&, const Parallel&) = nullptr;
@@ -164,7 +168,7 @@ struct KernelTable {
   // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.
   float (*bf16_dot_probe)(int64_t iters) = nullptr;
   int64_t bf16_dot_probe_flops = 0;  // per iteration
-  // benchmarks: the spec verify's state traffic on one piece of n floats (probe.h).
+  // benchmarks: the spec verify's state traffic on kSpecProbeGroup pieces of n floats (probe.h).
   float (*spec_probe_piece)(float* dst, int64_t n) = nullptr;
   // tests: n f32 values through this ISA's vector f32 -> bf16 store (the kernels' rounding).
   void (*round_bf16)(const float* x, bf16* y, int64_t n) = nullptr;

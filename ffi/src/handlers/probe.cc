@@ -19,7 +19,6 @@ namespace gdn {
 namespace {
 
 constexpr int64_t kPiece = 16384;  // floats: 64 KiB, one K = V = 128 f32 head
-constexpr int64_t kSpecGroup = 4;  // mode 3: pieces per group (1 read, 4 written)
 typedef float V4 __attribute__((vector_size(16)));  // SSE2 / NEON width: every x86-64 and arm64 has it
 
 // One piece of n floats (a multiple of 32), eight vectors (two 64-byte lines) per iteration.
@@ -70,16 +69,16 @@ ffi::Error BandwidthProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> src, f
   if (mode == 2 && int64_t(src.element_count()) != n) return bad(op, "src must be as large as dst for a copy");
   float* d = dst.typed_data();
   if (mode == 3) {
-    if (n % (kSpecGroup * kPiece) != 0) return bad(op, "dst must hold a multiple of 4 x 16384 floats for mode 3");
+    if (n % (kSpecProbeGroup * kPiece) != 0) return bad(op, "dst must hold a multiple of 4 x 16384 floats for mode 3");
     if (reinterpret_cast<uintptr_t>(d) % 64 != 0) return bad(op, "dst must be 64-byte aligned for mode 3");
   }
-  const int64_t pieces = n / kPiece, items = mode == 3 ? pieces / kSpecGroup : pieces;
+  const int64_t pieces = n / kPiece, items = mode == 3 ? pieces / kSpecProbeGroup : pieces;
   std::vector<float> part(size_t(items), 0.f);
   const float* s = src.typed_data();
   const KernelTable& kt = current_table();
   make_parallel(&pool)(items, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      part[size_t(p)] = mode == 3 ? kt.spec_probe_piece(d + p * kSpecGroup * kPiece, kPiece)
+      part[size_t(p)] = mode == 3 ? kt.spec_probe_piece(d + p * kSpecProbeGroup * kPiece, kPiece)
                                   : piece(mode, s + (mode == 2 ? p * kPiece : 0), d + p * kPiece, kPiece);
   });
   float t = 0.f;

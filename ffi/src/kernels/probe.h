@@ -59,17 +59,16 @@ inline float fma_probe(int64_t iters) {
 // The spec verify's state traffic, for the bandwidth probe (handlers/probe.cc, mode 3): a piece
 // of n floats (a multiple of 2 kLanes) read and written back in place (x * 0.5 + 0.5: a row's
 // start slot, which one of its tokens' states lands in) and the result written to the
-// kSpecProbeCopies pieces after it with the stores the kernel gives the states of the row's
+// kSpecProbeGroup - 1 pieces after it with the stores the kernel gives the states of the row's
 // other tokens (vstream: non-temporal where the ISA has them; all pieces 64-byte aligned).
 // Returns the piece's first value (the probe's checksum).
-constexpr int kSpecProbeCopies = 3;
 inline float spec_probe_piece(float* dst, int64_t n) {
   const VF h = vset1(0.5f);
   for (int64_t i = 0; i < n; i += 2 * kLanes) {
     const VF x0 = vfma(vload(dst + i), h, h), x1 = vfma(vload(dst + i + kLanes), h, h);
     vstore(dst + i, x0);
     vstore(dst + i + kLanes, x1);
-    for (int c = 1; c <= kSpecProbeCopies; ++c) {
+    for (int64_t c = 1; c < kSpecProbeGroup; ++c) {
       vstream(dst + c * n + i, x0);
       vstream(dst + c * n + i + kLanes, x1);
     }
