@@ -10,6 +10,7 @@
 // (mode 3: of each group's first value), so no pass can be optimised out.
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gdn/dispatch.h"
@@ -69,7 +70,8 @@ ffi::Error BandwidthProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> src, f
   if (mode == 2 && int64_t(src.element_count()) != n) return bad(op, "src must be as large as dst for a copy");
   float* d = dst.typed_data();
   if (mode == 3) {
-    if (n % (kSpecProbeGroup * kPiece) != 0) return bad(op, "dst must hold a multiple of 4 x 16384 floats for mode 3");
+    if (n % (kSpecProbeGroup * kPiece) != 0)
+      return bad(op, "dst must hold a multiple of " + std::to_string(kSpecProbeGroup) + " x 16384 floats for mode 3");
     if (reinterpret_cast<uintptr_t>(d) % 64 != 0) return bad(op, "dst must be 64-byte aligned for mode 3");
   }
   const int64_t pieces = n / kPiece, items = mode == 3 ? pieces / kSpecProbeGroup : pieces;
