@@ -1,4 +1,5 @@
-// The conv kernels alone on one thread (no XLA, jit, Python or thread pool): the selected ISA's
+// The conv kernels alone (no XLA, jit or Python; one thread, or --threads N of the benchmark's own
+// pool, bench_workers.h, whose helpers spin between calls unless --helpers sleep): the selected ISA's
 // conv_fwd (one sequence of --tokens T from a slot) and conv_update (--batch B decode rows, one
 // token each, slots 7 apart in a 64-slot pool), bf16 (or --act f32) activations and parameters,
 // SiLU, W = 4, SD layout, D = --dim (8192, Qwen3-Next). The buffers are written once before
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_workers.h"
 #include "gdn/dispatch.h"
 
 namespace {
@@ -47,7 +49,7 @@ Times time_calls(F&& f, int calls) {
 int usage(const char* why) {
   std::fprintf(stderr,
                "%s\nusage: gdn_conv_kernel_bench [--tokens T] [--batch B] [--dim D] [--act bf16|f32] "
-               "[--calls N] [--pool-mib M]\n",
+               "[--calls N] [--pool-mib M] [--threads N (default 1)] [--helpers spin|sleep (default spin)]\n",
                why);
   return 2;
 }
@@ -56,7 +58,8 @@ int usage(const char* why) {
 
 int main(int argc, char** argv) {
   int64_t T = 256, B = 8, D = 8192;
-  int calls = 200;
+  int calls = 200, threads = 1;
+  bool sleep_helpers = false;
   int64_t pool_mib = 0;
   DType act = DType::bf16;
   for (int i = 1; i < argc; ++i) {
@@ -68,14 +71,16 @@ int main(int argc, char** argv) {
     else if (a == "--dim") D = std::atoll(v.c_str());
     else if (a == "--calls") calls = std::atoi(v.c_str());
     else if (a == "--pool-mib") pool_mib = std::atoll(v.c_str());
+    else if (a == "--threads") threads = std::atoi(v.c_str());
+    else if (a == "--helpers" && (v == "spin" || v == "sleep")) sleep_helpers = v == "sleep";
     else if (a == "--act" && (v == "bf16" || v == "f32")) act = v == "bf16" ? DType::bf16 : DType::f32;
     else return usage(("bad argument " + a + " " + v).c_str());
   }
   constexpr int64_t W = 4, L = W - 1;
   const size_t es = act == DType::bf16 ? 2 : 4;
   const int64_t N = pool_mib > 0 ? std::max<int64_t>(64, (pool_mib << 20) / (L * std::max<int64_t>(D, 1) * int64_t(es))) : 64;
-  if (T < 1 || B < 1 || B > 64 || D < 1 || calls < 1 || pool_mib < 0)
-    return usage("need T >= 1, 1 <= B <= 64, D >= 1, calls >= 1, M >= 0");
+  if (T < 1 || B < 1 || B > 64 || D < 1 || calls < 1 || pool_mib < 0 || threads < 1 || threads > 256)
+    return usage("need T >= 1, 1 <= B <= 64, D >= 1, calls >= 1, M >= 0, 1 <= threads <= 256");
 
   // Values as bf16 bits (the f32 buffers hold the same values), N(0, 1) activations.
   std::mt19937 rng(1);
@@ -137,7 +142,9 @@ int main(int argc, char** argv) {
   u.num_accepted = acc.data();
 
   const gdn::KernelTable& kt = gdn::current_table();
-  const Times f = time_calls([&] { kt.conv_fwd(p, Parallel{}); }, calls);
+  gdn_bench::Workers workers(threads, sleep_helpers);
+  const Parallel par = threads > 1 ? workers.parallel() : Parallel{};
+  const Times f = time_calls([&] { kt.conv_fwd(p, par); }, calls);
   int64_t next = 0;  // first slot of the next call's set (cold pool)
   const Times up = time_calls(
       [&] {
@@ -146,12 +153,13 @@ int main(int argc, char** argv) {
           for (int64_t i = 0; i < B; ++i) idx_upd[size_t(i)] = int32_t(next + i);
           next += B;
         }
-        kt.conv_update(u, Parallel{});
+        kt.conv_update(u, par);
       },
       calls * 10);
   const double vec = double((D + 15) / 16);
-  std::printf("isa %s, %s, D = %lld, one thread, update pool %lld slots (%s)\n", gdn::selected_isa().c_str(),
-              act == DType::bf16 ? "bf16" : "f32", static_cast<long long>(D), static_cast<long long>(N),
+  std::printf("isa %s, %s, D = %lld, %d thread(s)%s, update pool %lld slots (%s)\n", gdn::selected_isa().c_str(),
+              act == DType::bf16 ? "bf16" : "f32", static_cast<long long>(D), threads,
+              threads > 1 ? (sleep_helpers ? ", helpers sleep" : ", helpers spin") : "", static_cast<long long>(N),
               pool_mib > 0 ? "a fresh slot set per call" : "the same slots every call");
   std::printf("conv_fwd    T = %-5lld min %9.1f us  median %9.1f us  %6.2f ns per vector and token\n",
               static_cast<long long>(T), f.min_us, f.median_us, f.min_us * 1e3 / (vec * double(T)));
