@@ -45,6 +45,15 @@ class Workers {
     cv_.notify_all();
     for (auto& t : helpers_) t.join();
   }
+  // While held, the helpers wait on the condition variable in either mode, leaving the CPUs to
+  // something else (a round-trip measurement between calls).
+  void hold(bool on) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hold_.store(on);
+    }
+    cv_.notify_all();
+  }
   Parallel parallel() {
     Parallel p;
     p.ctx = this;
@@ -89,6 +98,11 @@ class Workers {
       } else {
         while ((g = generation_.load(std::memory_order_acquire)) == seen) {
           if (stop_.load()) return;
+          if (hold_.load()) {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [&] { return stop_.load() || !hold_.load() || generation_.load() != seen; });
+            continue;
+          }
           relax();
         }
       }
@@ -103,7 +117,7 @@ class Workers {
   std::condition_variable cv_;
   std::vector<std::thread> helpers_;
   std::atomic<int> generation_{0}, busy_{0};
-  std::atomic<bool> stop_{false};
+  std::atomic<bool> stop_{false}, hold_{false};
   std::unique_ptr<gdn::WorkBlocks> blocks_;
   Parallel::Body body_ = nullptr;
   void* body_ctx_ = nullptr;

@@ -1,16 +1,10 @@
 // The nanobind module: the table of FFI targets (registered from Python at import under
 // "gdn_jax_<name>") and the ISA controls.
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <optional>
 #include <thread>
 #include <vector>
-
-#if defined(__linux__)
-#include <pthread.h>
-#include <sched.h>
-#endif
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -19,6 +13,7 @@
 
 #include "gdn/dispatch.h"
 #include "parallel.h"
+#include "round_trip.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -57,61 +52,6 @@ double peak_gflops(float (*probe)(int64_t), int64_t flops_per_iter, int threads,
       return double(flops_per_iter) * double(iters) * threads / dt / 1e9;
     iters *= 2;
   }
-}
-
-// Median nanoseconds of a round trip of one cache line between two threads pinned to CPUs a
-// and b (`trips` round trips per batch, the median of 15 batches); nullopt where threads cannot
-// be pinned. Benchmarks only: it tells where a VM's two vCPUs sit (ffi/README.md, Limits).
-std::optional<double> round_trip_ns(int a, int b, int trips) {
-#if defined(__linux__)
-  if (a >= CPU_SETSIZE || b >= CPU_SETSIZE) return std::nullopt;
-  auto pin = [](int cpu) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
-  };
-  constexpr int kBatches = 15;
-  alignas(64) std::atomic<int64_t> flag{0};
-  std::atomic<int> ready{0};  // 1: the other thread is pinned, 2: it could not be
-  std::thread other([&] {
-    ready = pin(b) ? 1 : 2;
-    if (ready == 2) return;
-    for (int64_t i = 0; i < int64_t(trips) * kBatches; ++i) {  // answers each odd value with the next even one
-      int64_t f;
-      while ((f = flag.load(std::memory_order_acquire)) != 2 * i + 1)
-        if (f < 0) return;  // the caller could not be pinned
-      flag.store(2 * i + 2, std::memory_order_release);
-    }
-  });
-  while (ready == 0) std::this_thread::yield();
-  cpu_set_t saved;
-  const bool have_saved = pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0;
-  // Both pinned or no timing: two spinning threads on one CPU would hand over once per tick.
-  if (ready == 2 || !pin(a)) {
-    flag.store(-1, std::memory_order_release);
-    other.join();
-    if (have_saved) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
-    return std::nullopt;
-  }
-  std::vector<double> ns;
-  for (int r = 0; r < kBatches; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = int64_t(r) * trips; i < int64_t(r + 1) * trips; ++i) {
-      flag.store(2 * i + 1, std::memory_order_release);
-      while (flag.load(std::memory_order_acquire) != 2 * i + 2) {
-      }
-    }
-    ns.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / trips);
-  }
-  other.join();
-  if (have_saved) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
-  std::sort(ns.begin(), ns.end());
-  return ns[kBatches / 2];
-#else
-  (void)a, (void)b, (void)trips;
-  return std::nullopt;
-#endif
 }
 
 template <class Fn>
@@ -169,7 +109,7 @@ NB_MODULE(_gdn_ffi, m) {
       [](int a, int b, int trips) -> std::optional<double> {
         if (a < 0 || b < 0 || a == b || trips < 1) throw nb::value_error("two distinct CPUs >= 0 and trips >= 1");
         nb::gil_scoped_release release;
-        return round_trip_ns(a, b, trips);
+        return gdn::core_round_trip_ns(a, b, trips);
       },
       nb::arg("cpu_a"), nb::arg("cpu_b"), nb::arg("trips") = 20000,
       "Benchmark-only: median ns of a cache line's round trip between threads pinned to two CPUs "

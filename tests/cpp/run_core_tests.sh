@@ -22,6 +22,10 @@ echo "== native ($(uname -m))"
 "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --pool-mib 1 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_conv_kernel_bench" --tokens 5 --batch 3 --dim 40 --calls 3 >/dev/null
 "$CORE_BUILD/gdn_conv_kernel_bench" --act f32 --tokens 5 --batch 3 --dim 40 --calls 3 --pool-mib 1 >/dev/null
+"$CORE_BUILD/gdn_conv_kernel_bench" --tokens 5 --batch 3 --dim 40 --calls 3 --threads 2 --helpers sleep >/dev/null
+if [ "$(nproc)" -ge 2 ]; then  # pins two CPUs
+  "$CORE_BUILD/gdn_recurrent_kernel_bench" --batch 2 --pool-mib 1 --tag-seconds 0.05 >/dev/null
+fi
 # The A/B driver (benchmarks/kernel_ab.py) with this tree as its own base: every case must write
 # the same bits in both builds (the comparison can fail: --expect-same-bits exits 1).
 "$CORE_BUILD/gdn_kernel_ab" --tokens 70 --batch 2 --pool-mib 8 --rounds 2 --round-ms 1 --expect-same-bits 1 >/dev/null
