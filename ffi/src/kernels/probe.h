@@ -15,10 +15,14 @@ inline void round_bf16(const float* x, bf16* y, int64_t n) {
 // y widened back to w from that order into memory order: the conversions the recurrence uses
 // for a bf16 state where the ISA has the order (kPairOrder), the plain ones elsewhere.
 inline void round_bf16_pairs(const float* x, bf16* y, float* w, int64_t n) {
+  constexpr int U = rec_unit<kPairOrder>();  // recurrent.h
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    rec_st<true, kPairOrder>(y + i, rec_ld<true, kPairOrder>(x + i, kLanes), kLanes);  // recurrent.h
-    rec_st<true, kPairOrder>(w + i, rec_ld<true, kPairOrder>(y + i, kLanes), kLanes);
+  for (; i + U * kLanes <= n; i += U * kLanes) {
+    VF v[U];
+    rec_ld<U, true, kPairOrder>(x + i, kLanes, v);
+    rec_st<U, true, kPairOrder>(y + i, v, kLanes);
+    rec_ld<U, true, kPairOrder>(y + i, kLanes, v);
+    rec_st<U, true, kPairOrder>(w + i, v, kLanes);
   }
   if (i < n) {
     round_bf16(x + i, y + i, n - i);  // the tail: plain order in every kernel

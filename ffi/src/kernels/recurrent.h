@@ -47,30 +47,46 @@ constexpr int kRecLocCols = kRecWide > kRecBlock ? kRecWide : kRecBlock;
 inline int64_t rec_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // kPair: a full piece exchanged with memory outside the kernel (pool, v, o) in the ISA's pair
-// order (vec_avx2.h: the bf16 state's widening and rounding without shuffles). Inside, a VF
-// keeps whatever order it has; loc holds VFs as they are.
-template <bool kFull, bool kPair = false, class T>
-GDN_REC_INLINE VF rec_ld(const T* p, int n) {
-  if constexpr (kPair) return vload_pairs(p);
-  else if (kFull) return vload(p);
-  else return vload_n(p, n);
+// order (vec_avx2.h, vec_avx512.h: the bf16 state's widening and rounding without lane-crossing
+// shuffles). Inside, a VF keeps whatever order it has; loc holds VFs as they are. Loads and
+// stores go by units of U VFs: in the pair order U = kPairVF (a unit is one VF on AVX2, two on
+// AVX-512), otherwise U plain VFs kLanes apart.
+template <bool kPair>
+constexpr int rec_unit() {
+  return kPair ? kPairVF : 1;
 }
-template <bool kFull, bool kPair = false, class T>
-GDN_REC_INLINE void rec_st(T* p, VF x, int n) {
-  if constexpr (kPair) vstore_pairs(p, x);
-  else if (kFull) vstore(p, x);
-  else vstore_n(p, x, n);
+template <int U, bool kFull, bool kPair = false, class T>
+GDN_REC_INLINE void rec_ld(const T* p, int n, VF* x) {
+  if constexpr (kPair) {
+    static_assert(U == kPairVF, "a pair-order unit");
+    vload_pairs(p, x);
+  } else {
+    for (int u = 0; u < U; ++u) x[u] = kFull ? vload(p + u * kLanes) : vload_n(p + u * kLanes, n);
+  }
 }
-template <bool kPair, class T>
-GDN_REC_INLINE void rec_stream(T* p, VF x) {
+template <int U, bool kFull, bool kPair = false, class T>
+GDN_REC_INLINE void rec_st(T* p, const VF* x, int n) {
+  if constexpr (kPair) {
+    static_assert(U == kPairVF, "a pair-order unit");
+    vstore_pairs(p, x);
+  } else {
+    for (int u = 0; u < U; ++u) {
+      if (kFull) vstore(p + u * kLanes, x[u]);
+      else vstore_n(p + u * kLanes, x[u], n);
+    }
+  }
+}
+template <int U, bool kPair, class T>
+GDN_REC_INLINE void rec_stream(T* p, const VF* x) {
   if constexpr (kPair) vstream_pairs(p, x);
-  else vstream(p, x);
+  else
+    for (int u = 0; u < U; ++u) vstream(p + u * kLanes, x[u]);
 }
-// Pair order for a bf16 state's full pieces where the ISA has one (the f32 state loses by it:
-// its loads would need the shuffles the bf16 one saves).
-template <bool kFull, class ST>
+// Pair order for a bf16 state's full blocks of whole units where the ISA has one (the f32 state
+// loses by it: its loads would need the shuffles the bf16 one saves).
+template <int NV, bool kFull, class ST>
 constexpr bool rec_pairs() {
-  return kPairOrder && kFull && std::is_same<ST, bf16>::value;
+  return kPairOrder && kFull && std::is_same<ST, bf16>::value && NV % kPairVF == 0;
 }
 
 // The prepared operands of up to kRecTokGroup tokens of one row for one value head.
@@ -106,17 +122,22 @@ GDN_REC_INLINE void rec_prefetch_rows(const ST* r, int64_t ld) {
 template <int NV, bool kFull, bool kStash, bool kPair, class Src>
 GDN_REC_INLINE void rec_kv_rows(const Src* s, int64_t ld, int64_t k, const float* kh, int ncol, float* stash, VF* a0,
                                 VF* a1) {
+  constexpr int U = rec_unit<kPair>();
   const VF k0 = vset1(kh[k]), k1 = vset1(kh[k + 1]);
   const Src* r0 = s + k * ld;
   const Src* r1 = r0 + ld;
-  for (int c = 0; c < NV; ++c) {
-    const VF x0 = rec_ld<kFull, kPair>(r0 + c * kLanes, ncol), x1 = rec_ld<kFull, kPair>(r1 + c * kLanes, ncol);
-    if (kStash) {
-      vstore(stash + k * kRecBlock + c * kLanes, x0);
-      vstore(stash + (k + 1) * kRecBlock + c * kLanes, x1);
+  for (int c = 0; c < NV; c += U) {
+    VF x0[U], x1[U];
+    rec_ld<U, kFull, kPair>(r0 + c * kLanes, ncol, x0);
+    rec_ld<U, kFull, kPair>(r1 + c * kLanes, ncol, x1);
+    for (int u = 0; u < U; ++u) {
+      if (kStash) {
+        vstore(stash + k * kRecBlock + (c + u) * kLanes, x0[u]);
+        vstore(stash + (k + 1) * kRecBlock + (c + u) * kLanes, x1[u]);
+      }
+      a0[c + u] = vfma(x0[u], k0, a0[c + u]);
+      a1[c + u] = vfma(x1[u], k1, a1[c + u]);
     }
-    a0[c] = vfma(x0, k0, a0[c]);
-    a1[c] = vfma(x1, k1, a1[c]);
   }
 }
 
@@ -142,11 +163,15 @@ GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, in
     if constexpr (kPf) asm volatile("" : : "r"(a0), "r"(a1) : "memory");  // the pacing (above)
   }
   if (k < K) {
+    constexpr int U = rec_unit<kPair>();
     const VF k0 = vset1(kh[k]);
-    for (int c = 0; c < NV; ++c) {
-      const VF x0 = rec_ld<kFull, kPair>(s + k * ld + c * kLanes, ncol);
-      if (kStash) vstore(stash + k * kRecBlock + c * kLanes, x0);
-      a0[c] = vfma(x0, k0, a0[c]);
+    for (int c = 0; c < NV; c += U) {
+      VF x0[U];
+      rec_ld<U, kFull, kPair>(s + k * ld + c * kLanes, ncol, x0);
+      for (int u = 0; u < U; ++u) {
+        if (kStash) vstore(stash + k * kRecBlock + (c + u) * kLanes, x0[u]);
+        a0[c + u] = vfma(x0[u], k0, a0[c + u]);
+      }
     }
   }
   for (int c = 0; c < NV; ++c) kv[c] = a0[c] + a1[c];
@@ -156,14 +181,19 @@ GDN_REC_HOT void rec_kv(const Src* s, int64_t ld, int64_t K, const float* kh, in
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, class Src, class ST>
 GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* d, float kk, float qk, float kn,
                             int ncol, VF* ao, VF* an) {
+  constexpr int U = rec_unit<kPair>();
   const VF vk = vset1(kk), vq = vset1(qk), vn = vset1(kn);
-  for (int c = 0; c < NV; ++c) {
-    const VF sn = vfma(vk, d[c], rec_ld<kFull, kPair && std::is_same<Src, bf16>::value>(s + c * kLanes, ncol) * va);
-    if (kNT) rec_stream<kPair>(dst + c * kLanes, sn);
-    else rec_st<kFull, kPair>(dst + c * kLanes, sn, ncol);
-    if (kLoc) vstore(loc + c * kLanes, sn);
-    ao[c] = vfma(sn, vq, ao[c]);
-    if (kNext) an[c] = vfma(sn, vn, an[c]);
+  for (int c = 0; c < NV; c += U) {
+    VF sn[U];
+    rec_ld<U, kFull, kPair && std::is_same<Src, bf16>::value>(s + c * kLanes, ncol, sn);
+    for (int u = 0; u < U; ++u) sn[u] = vfma(vk, d[c + u], sn[u] * va);
+    if (kNT) rec_stream<U, kPair>(dst + c * kLanes, sn);
+    else rec_st<U, kFull, kPair>(dst + c * kLanes, sn, ncol);
+    for (int u = 0; u < U; ++u) {
+      if (kLoc) vstore(loc + (c + u) * kLanes, sn[u]);
+      ao[c + u] = vfma(sn[u], vq, ao[c + u]);
+      if (kNext) an[c + u] = vfma(sn[u], vn, an[c + u]);
+    }
   }
 }
 
@@ -254,12 +284,13 @@ template <int NV, bool kFull, int LD, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
                             int64_t col, int ncol, bool keep, float* loc, const ST* pf) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
-  constexpr bool kPair = rec_pairs<kFull, ST>();  // the pool block, v and o; loc as it is
+  constexpr bool kPair = rec_pairs<NV, kFull, ST>();  // the pool block, v and o; loc as it is
+  constexpr int U = rec_unit<kPair>();
   // A bf16 start block is widened once, into loc, and the first pass reads that copy; in the
   // pair order widening costs less than the copy's stores and loads, and the pass reads the
-  // slot again (ffi/README.md, "The pair order for a bf16 state on AVX2"). So it does on
-  // AVX-512, whose widening is one shift of a zero-extending load (kRecStashBf16; Zen 5: 3-6%
-  // less time from the LLC; the same bits either way, the widening is exact).
+  // slot again (ffi/README.md, "The pair order for a bf16 state on AVX2"). So does AVX-512 in
+  // both orders (kRecStashBf16; its plain-order pieces, 16-column tails, widen with one shift of
+  // a zero-extending load; Zen 5: 3-6% less time from the LLC; the same bits either way).
   constexpr bool kStash = kRecStashBf16 && !std::is_same<Src, float>::value && !kPair;
   static_assert(!kStash || LD == kRecBlock, "rec_kv stashes with the narrow blocks' row stride");
   VF kv[NV], o[NV], d[NV];
@@ -278,7 +309,10 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
     const VF va = vset1(g.alpha[t]), vb = vset1(g.beta[t]);
-    for (int c = 0; c < NV; ++c) d[c] = vb * (rec_ld<kFull, kPair>(g.v[t] + col + c * kLanes, ncol) - va * kv[c]);
+    for (int c = 0; c < NV; c += U) {
+      rec_ld<U, kFull, kPair>(g.v[t] + col + c * kLanes, ncol, d + c);
+      for (int u = 0; u < U; ++u) d[c + u] = vb * (d[c + u] - va * kv[c + u]);
+    }
     const bool next = t + 1 < g.n;
     const bool nt = kFull && g.nt[t];
     const bool use_loc = (next && (!kF32 || nt)) || (!next && keep);
@@ -298,7 +332,7 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
       rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t],
                                      g.qh[t], khn, ncol, o, kv, pf, t, g.n, kv_pf);
     }
-    for (int c = 0; c < NV; ++c) rec_st<kFull, kPair>(g.o[t] + col + c * kLanes, o[c], ncol);
+    for (int c = 0; c < NV; c += U) rec_st<U, kFull, kPair>(g.o[t] + col + c * kLanes, o + c, ncol);
     prev_loc = use_loc;
   }
 }
@@ -378,8 +412,10 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
   if (nsplit < 1) nsplit = 1;
   const int64_t items = S * HV * nsplit;
   // A slot other than the start slot is written without being read: non-temporal stores
-  // save the read-for-ownership of its lines. Full pieces are then aligned to 16 lanes.
-  const bool stream = reinterpret_cast<uintptr_t>(p.ssm_state) % 64 == 0 && V % kLanes == 0;
+  // save the read-for-ownership of its lines. Full pieces are then aligned to their store
+  // (16 lanes; a bf16 state's pair-order unit on AVX-512, 64 bytes: 32 columns).
+  constexpr int64_t kStreamCols = kLanes * (rec_pairs<kRecBlockVF, true, ST>() ? kPairVF : 1);
+  const bool stream = reinterpret_cast<uintptr_t>(p.ssm_state) % 64 == 0 && V % kStreamCols == 0;
 
   par(items, 1, [&](int64_t it0, int64_t it1) {
     RecGroup<A, ST> g;

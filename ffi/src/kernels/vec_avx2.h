@@ -91,17 +91,18 @@ inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
 // spec") keep a full piece in this order from load to store; f32 pieces they exchange with it
 // (v, o) are (de)interleaved on the way, once per K state rows.
 constexpr bool kPairOrder = true;
-inline VF vload_pairs(const bf16* p) {
+constexpr int kPairVF = 1;  // VFs per unit of the pair order (two on AVX-512)
+inline void vload_pairs(const bf16* p, VF* x) {
   const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)),
+  x[0] = {_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)),
           _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))))};
 }
-inline VF vload_pairs(const float* p) {
+inline void vload_pairs(const float* p, VF* x) {
   const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
   // In-lane picks give [0 2 8 10 | 4 6 12 14]; the 64-bit permute puts the quarters in order.
   const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
   const __m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)),
+  x[0] = {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)),
           _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8))};
 }
 // Same bits as vstore of the plain-order vector (core test "bf16 pair order").
@@ -110,10 +111,14 @@ inline __m256i ps_pairs_to_bf16x16(VF x) {
   ps_to_bf16_high2(x, &e, &o);
   return _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xAA);
 }
-inline void vstore_pairs(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x)); }
-inline void vstream_pairs(bf16* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x)); }
-inline void vstore_pairs(float* p, VF x) {
-  const __m256 a = _mm256_unpacklo_ps(x.lo, x.hi), b = _mm256_unpackhi_ps(x.lo, x.hi);  // [0-3 | 8-11], [4-7 | 12-15]
+inline void vstore_pairs(bf16* p, const VF* x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x[0]));
+}
+inline void vstream_pairs(bf16* p, const VF* x) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x[0]));
+}
+inline void vstore_pairs(float* p, const VF* x) {
+  const __m256 a = _mm256_unpacklo_ps(x[0].lo, x[0].hi), b = _mm256_unpackhi_ps(x[0].lo, x[0].hi);  // [0-3 | 8-11], [4-7 | 12-15]
   _mm256_storeu_ps(p, _mm256_permute2f128_ps(a, b, 0x20));
   _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(a, b, 0x31));
 }

@@ -3,7 +3,6 @@
 
 constexpr int kLanes = 16;
 constexpr int kVfRegs = 1;  // machine registers one VF takes: one zmm
-constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h (no vload_pairs here)
 
 struct VF {
   __m512 v;
@@ -19,17 +18,22 @@ inline VF vload(const bf16* p) { return bf16_bits_to_vf(_mm256_loadu_si256(reint
 inline VF vload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(lane_mask(n), p)}; }
 inline VF vload_n(const bf16* p, int n) { return bf16_bits_to_vf(_mm256_maskz_loadu_epi16(lane_mask(n), p)); }
 
+#if !defined(__AVX512BF16__)
+// x rounded to bf16 in the high half of each 32-bit lane (RNE in integer arithmetic; NaN ->
+// quiet NaN); the low half is garbage.
+inline __m512i ps_to_bf16_high(VF x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+}
+#endif
 inline __m256i vf_to_bf16_bits(VF x) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(x.v);
 #else
-  // Round to nearest even in integer arithmetic; NaN -> quiet NaN.
-  const __m512i u = _mm512_castps_si512(x.v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(ps_to_bf16_high(x), 16));
 #endif
 }
 #if defined(__AVX512BF16__)
@@ -60,6 +64,48 @@ inline void vload_pair_split(const bf16* p, VF* even, VF* odd) {
   *even = {_mm512_castsi512_ps(_mm512_slli_epi32(u, 16))};
   *odd = {_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))))};
 }
+
+// The pair order of 32 consecutive elements, over two VFs: x[0] holds the even ones (0, 2, ..,
+// 30), x[1] the odd ones (vec_avx2.h has it within one VF). 64 bytes of bf16 widen to it with
+// one shift and one and, and narrow from it with one two-source conversion and one word permute,
+// where the plain order takes a zero-extending (lane-crossing) load and a shift per 16 values
+// and a narrowing conversion per 16 (ffi/README.md, Recurrent decode / spec, "The pair order on
+// AVX-512"). Kernels whose arithmetic is per column keep a full unit in this order from load to
+// store; f32 pieces exchanged with it (v, o) are (de)interleaved once per K state rows.
+constexpr bool kPairOrder = true;
+constexpr int kPairVF = 2;  // VFs per unit of the pair order
+inline void vload_pairs(const bf16* p, VF* x) { vload_pair_split(p, &x[0], &x[1]); }
+inline __m512i pair_index(int first) {  // lanes first, first + 2, .., first + 30 of two vectors
+  return _mm512_add_epi32(_mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+                          _mm512_set1_epi32(first));
+}
+inline void vload_pairs(const float* p, VF* x) {
+  const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+  x[0] = {_mm512_permutex2var_ps(a, pair_index(0), b)};
+  x[1] = {_mm512_permutex2var_ps(a, pair_index(1), b)};
+}
+// Same bits as vstore of the plain-order vectors (core test "bf16 pair order").
+inline __m512i ps_pairs_to_bf16x32(const VF* x) {
+#if defined(__AVX512BF16__)
+  // Words 0-15: the even elements, 16-31: the odd ones; then interleaved.
+  const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(x[1].v, x[0].v);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, w);
+#else
+  // Each 32-bit word: the odd element's rounding high, the even one's low (bit select).
+  return _mm512_ternarylogic_epi32(_mm512_set1_epi32(int(0xffff0000u)), ps_to_bf16_high(x[1]),
+                                   _mm512_srli_epi32(ps_to_bf16_high(x[0]), 16), 0xCA);
+#endif
+}
+inline void vstore_pairs(bf16* p, const VF* x) { _mm512_storeu_si512(p, ps_pairs_to_bf16x32(x)); }
+inline void vstream_pairs(bf16* p, const VF* x) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), ps_pairs_to_bf16x32(x)); }
+inline void vstore_pairs(float* p, const VF* x) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_ps(p, _mm512_permutex2var_ps(x[0].v, lo, x[1].v));
+  _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(x[0].v, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), x[1].v));
+}
+
 inline void vstore(float* p, VF x) { _mm512_storeu_ps(p, x.v); }
 inline void vstore(bf16* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vf_to_bf16_bits(x)); }
 inline void vstore_n(float* p, VF x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x.v); }

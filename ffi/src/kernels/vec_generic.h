@@ -6,7 +6,8 @@
 
 constexpr int kLanes = 16;
 constexpr int kVfRegs = 4;  // machine registers one VF takes: four 16-byte SSE2 / NEON vectors
-constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h (no vload_pairs here)
+constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h / vec_avx512.h (no vload_pairs here)
+constexpr int kPairVF = 1;
 
 typedef float V4 __attribute__((vector_size(16)));
 typedef uint32_t VU4 __attribute__((vector_size(16)));

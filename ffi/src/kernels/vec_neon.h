@@ -4,7 +4,8 @@
 
 constexpr int kLanes = 16;
 constexpr int kVfRegs = 4;  // machine registers one VF takes: four q registers
-constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h (no vload_pairs here)
+constexpr bool kPairOrder = false;  // the pair order of vec_avx2.h / vec_avx512.h (no vload_pairs here)
+constexpr int kPairVF = 1;
 
 struct VF {
   float32x4_t v[4];
