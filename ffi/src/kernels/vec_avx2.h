@@ -118,7 +118,8 @@ inline void vstream_pairs(bf16* p, const VF* x) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(p), ps_pairs_to_bf16x16(x[0]));
 }
 inline void vstore_pairs(float* p, const VF* x) {
-  const __m256 a = _mm256_unpacklo_ps(x[0].lo, x[0].hi), b = _mm256_unpackhi_ps(x[0].lo, x[0].hi);  // [0-3 | 8-11], [4-7 | 12-15]
+  // [0-3 | 8-11], [4-7 | 12-15]
+  const __m256 a = _mm256_unpacklo_ps(x[0].lo, x[0].hi), b = _mm256_unpackhi_ps(x[0].lo, x[0].hi);
   _mm256_storeu_ps(p, _mm256_permute2f128_ps(a, b, 0x20));
   _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(a, b, 0x31));
 }

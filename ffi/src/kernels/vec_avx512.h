@@ -99,7 +99,9 @@ inline __m512i ps_pairs_to_bf16x32(const VF* x) {
 #endif
 }
 inline void vstore_pairs(bf16* p, const VF* x) { _mm512_storeu_si512(p, ps_pairs_to_bf16x32(x)); }
-inline void vstream_pairs(bf16* p, const VF* x) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), ps_pairs_to_bf16x32(x)); }
+inline void vstream_pairs(bf16* p, const VF* x) {
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), ps_pairs_to_bf16x32(x));
+}
 inline void vstore_pairs(float* p, const VF* x) {
   const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   _mm512_storeu_ps(p, _mm512_permutex2var_ps(x[0].v, lo, x[1].v));
