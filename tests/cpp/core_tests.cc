@@ -1086,7 +1086,7 @@ void test_bf16_rounding(const std::string& isa, const KernelTable& kt) {
   check_true("bf16 rounding " + isa + " (" + std::to_string(in.size()) + " values) = RNE, NaN quiet", bad == 0,
              bad == 0 ? "" : std::to_string(bad) + " differ, first " + first);
 
-  // The recurrence's bf16-state conversions (the pair order on AVX2): the same bits in memory
+  // The recurrence's bf16-state conversions (the pair order on AVX2 and AVX-512): the same bits in memory
   // order as the plain store, and the exact widening back.
   std::vector<uint16_t> yp(in.size(), 0x1234u);
   std::vector<uint32_t> w(in.size(), 0x12345678u);
