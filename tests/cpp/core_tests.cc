@@ -366,7 +366,7 @@ void test_conv(const KernelTable& kt, DType act, bool ds, int W, DType wdt, bool
 
 // The decode update at D = 8192 (Qwen3-Next's channels), W = 4, on 4 threads: B = 1 (one token
 // x D x W = 32 Ki: under kConvUpdateSerialWork, so the caller runs it alone, no parallel-for) and
-// B = 9 (two row groups, 32 channel blocks: parallel) give the bits of the serial run. The rows'
+// B = 9 (9 rows x 8 channel ranges: parallel) give the bits of the serial run. The rows'
 // slots are distinct; a padding row (B = 9) and two tokens past the last row get zero outputs.
 // conv_fwd with stream_y (the handler's choice for a y larger than half the LLC): the same bits
 // as plain stores, on 4 threads, with several sequences, an uncovered token and a padding row;
@@ -450,6 +450,26 @@ void test_conv_update_threads(const KernelTable& kt, DType act, std::mt19937& rn
     check_true("conv_update, padding and uncovered tokens zero " + tag, zero);
     check_true("conv_update, " + std::string(B == 1 ? "no parallel-for " : "parallel ") + tag,
                B == 1 ? counted.forks == 0 : counted.forks > 0, "forks " + std::to_string(counted.forks));
+    if (B == 1) continue;
+    // A thread keeps the taps it transposed for the rest of its update call only
+    // (conv_update_params): weights rewritten in place between two calls give the new bits.
+    const Act wb(D * W, rng, 0.5);
+    std::vector<uint16_t> w_inplace = wa.b16;
+    std::vector<uint8_t> y_a(T * D * es), y_b(T * D * es), y_c(T * D * es), st_a = st0, st_b = st0, st_c = st0;
+    p.weight = w_inplace.data();
+    p.y = y_a.data();
+    p.conv_state = st_a.data();
+    kt.conv_update(p, Parallel{});
+    w_inplace = wb.b16;
+    p.y = y_b.data();
+    p.conv_state = st_b.data();
+    kt.conv_update(p, Parallel{});
+    p.weight = wb.ptr(DType::bf16);
+    p.y = y_c.data();
+    p.conv_state = st_c.data();
+    kt.conv_update(p, Parallel{});
+    check_true("conv_update, weights rewritten in place between calls " + tag,
+               y_a == y1 && y_b == y_c && st_b == st_c && y_b != y_a);
   }
 }
 

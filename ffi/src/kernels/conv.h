@@ -18,7 +18,8 @@
 
 constexpr int64_t kConvTokBlock = 64;    // prefill item: tokens x kConvChanBlock channels
 constexpr int64_t kConvChanBlock = 256;  // channels per item (prefill and update)
-constexpr int64_t kConvRowGroup = 8;     // update item: rows x kConvChanBlock channels
+constexpr int64_t kConvUpdateRows = 2;   // update item: rows x kConvUpdateChans channels
+constexpr int64_t kConvUpdateChans = 1024;  // (one row in a spec call; conv_update_impl)
 // An update of at most this many tokens x channels x taps (its own rows' tokens) runs on the
 // calling thread alone: a few microseconds of work, less than waking a pool thread costs
 // (ffi/README.md, "The update of a few rows").
@@ -370,17 +371,18 @@ void conv_fwd_state(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
   }
 }
 
-// Runs block(p, o0, o1, c0, c1) in parallel over (outer block of `step` x channel block)
-// items covering [0, n) x [0, D): the work split of both conv launchers.
+// Runs block(p, o0, o1, c0, c1) in parallel over (outer block of `step` x `chans` channels)
+// items covering [0, n) x [0, D), outer blocks outermost: the work split of both conv launchers.
 template <class Block>
-inline void conv_grid(const ConvArgs& p, const Parallel& par, int64_t n, int64_t step, Block block) {
+inline void conv_grid(const ConvArgs& p, const Parallel& par, int64_t n, int64_t step, Block block,
+                      int64_t chans = kConvChanBlock) {
   const int64_t nO = (n + step - 1) / step;
-  const int64_t nC = (p.D + kConvChanBlock - 1) / kConvChanBlock;
+  const int64_t nC = (p.D + chans - 1) / chans;
   par(nO * nC, 1, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) {
       const int64_t ob = it / nC, cb = it % nC;
       const int64_t o0 = ob * step, o1 = o0 + step < n ? o0 + step : n;
-      const int64_t c0 = cb * kConvChanBlock, c1 = c0 + kConvChanBlock < p.D ? c0 + kConvChanBlock : p.D;
+      const int64_t c0 = cb * chans, c1 = c0 + chans < p.D ? c0 + chans : p.D;
       block(p, o0, o1, c0, c1);
     }
   });
@@ -465,20 +467,34 @@ inline void conv_fwd(const ConvArgs& p, const Parallel& par) {
 
 // --- decode / spec rolling buffer ---------------------------------------------------------
 
-// Prefetches what row s of an update reads in channels [c0, c1) (SD layout): its window rows
-// of the slot and its first x row. Only rows this call runs (another kernel's rows of a serving
-// step may carry no window).
-template <class T, int W>
-inline void conv_update_prefetch(const ConvArgs& p, int64_t s, int64_t c0, int64_t c1) {
-  const int32_t slot = p.state_indices[s];
-  if (slot < 0 || !p.rows.owns(s) || p.query_start_loc[s + 1] == p.query_start_loc[s]) return;
-  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
-  const T* win = static_cast<const T*>(p.conv_state) + slot * p.slot_stride + (p.num_accepted[s] - 1) * p.time_stride;
-  const T* xr = static_cast<const T*>(p.x) + int64_t(p.query_start_loc[s]) * p.D;
-  for (int64_t c = c0; c < c1; c += kLine) {
-    for (int j = 0; j < W - 1; ++j) __builtin_prefetch(win + j * p.time_stride + c, 1, 3);
-    __builtin_prefetch(xr + c, 0, 3);
+// The parameter block (conv_params_t) of channels [c0, c1) (c0 a multiple of kConvChanBlock) for
+// update call `call`. An update item is two rows (one in a spec call) x kConvUpdateChans: its slot
+// rows are then read as a few long runs, which the hardware prefetchers follow (items of 8 rows x
+// 256 channels read 24 runs of 512 bytes, 16 KiB apart, and waited on memory). Two rows are too
+// little work to transpose the taps for, so each thread keeps the blocks it has made in this call
+// (stamped with the call's number, unique per update call) for its other items. Per thread, not
+// one copy for all: a block made on one core and read on another cost more than making it again.
+// call == 0 (a call of one row, each block used once): made in `own`.
+inline std::atomic<uint64_t>& conv_update_calls() {
+  static std::atomic<uint64_t> n{0};
+  return n;
+}
+template <int W>
+inline const float* conv_update_params(const ConvArgs& p, uint64_t call, int64_t c0, int64_t c1, float* own) {
+  if (call == 0) {
+    conv_params_t<W>(p, c0, c1, own);
+    return own;
   }
+  static thread_local std::vector<uint64_t> stamp;  // per block: the call that made it (0: none)
+  const int64_t nb = (p.D + kConvChanBlock - 1) / kConvChanBlock, k = c0 / kConvChanBlock;
+  if (int64_t(stamp.size()) < nb) stamp.assign(size_t(nb), 0);
+  // Grows exactly when stamp does (its contents then lost, and every stamp cleared).
+  float* wt = thread_scratch<float, 5>(int64_t(stamp.size()) * kConvParamFloats) + k * kConvParamFloats;
+  if (stamp[size_t(k)] != call) {
+    conv_params_t<W>(p, c0, c1, wt);
+    stamp[size_t(k)] = call;
+  }
+  return wt;
 }
 
 // The first run of an update row in the SD layout, full vectors [c0, cf) (the plain decode's
@@ -505,94 +521,103 @@ inline void conv_update_sd_first(const float* wt, T* slot, int64_t ts, int64_t a
   }
 }
 
-// One update item: rows [s0, s1) x channels [c0, c1). Per row, in runs of up to kConvRun
-// tokens: per 16-channel vector the window (first run: slot rows [acc-1, acc-1+W-1); later
-// runs: the x rows above) is loaded into registers and the run's outputs computed (with the
-// SiLU: into pre, then conv_act_rows). In the first run each vector then rewrites its slot
-// rows [0, W-2+q) = window[1:] ++ x_row: the window is in registers before the rewrite, and
-// each item owns its channels of the row's slot (slots are distinct), so the in-place rewrite
-// never feeds back into a read; later runs read only x.
+// One update item: rows [s0, s1) x channels [c0, c1), in blocks of kConvChanBlock channels. Per
+// row and block, in runs of up to kConvRun tokens: per 16-channel vector the window (first run:
+// slot rows [acc-1, acc-1+W-1); later runs: the x rows above) is loaded into registers and the
+// run's outputs computed (with the SiLU: into pre, then conv_act_rows). In the first run each
+// vector then rewrites its slot rows [0, W-2+q) = window[1:] ++ x_row: the window is in registers
+// before the rewrite, and each item owns its channels of the row's slot (slots are distinct), so
+// the in-place rewrite never feeds back into a read; later runs read only x. The taps come from
+// this thread's parameter blocks of update call `call` (conv_update_params).
 template <class T, int W, bool SILU>
-GDN_CONV_HOT void conv_update_block(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+GDN_CONV_HOT void conv_update_block(const ConvArgs& p, uint64_t call, int64_t s0, int64_t s1, int64_t c0,
+                                    int64_t c1) {
   static_assert(kConvRun >= W - 1, "a later run's window lies in x");
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int64_t D = p.D, ts = p.time_stride, cs = p.chan_stride, nc = c1 - c0;
-  alignas(64) float wt[conv_param_rows(W) * kConvChanBlock];
-  conv_params_t<W>(p, c0, c1, wt);
-  const float* bt = wt + W * kConvChanBlock;
+  const int64_t D = p.D, ts = p.time_stride, cs = p.chan_stride;
   alignas(64) float pre[SILU ? kConvRun * kConvChanBlock : 1];
+  alignas(64) float own[conv_param_rows(W) * kConvChanBlock];  // a block not shared
+  struct Row {
+    int64_t start, q, acc;
+    T* slot;
+  } work[kConvUpdateRows];  // s1 - s0 <= kConvUpdateRows (conv_update_impl's grid)
+  int64_t nwork = 0;  // the item's rows with work: padding rows' outputs are zeroed here
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t start = p.query_start_loc[s], q = p.query_start_loc[s + 1] - start;
     if (q == 0 || !p.rows.owns(s)) continue;
     const int32_t slot = p.state_indices[s];
-    if (slot < 0) {
-      conv_zero_rows(y, D, start, start + q, c0, c1);
-      continue;
-    }
-    const int64_t acc = p.num_accepted[s];
-    const T* xr = x + start * D;
-    T* yr = y + start * D;
-    T* slot_base = static_cast<T*>(p.conv_state) + slot * p.slot_stride;
-    if (cs == 1) {
-      if (s == s0 && s + 1 < s1) conv_update_prefetch<T, W>(p, s + 1, c0, c1);
-      if (s + 2 < s1) conv_update_prefetch<T, W>(p, s + 2, c0, c1);
-    }
-    for (int64_t u = 0; u < q; u += kConvRun) {
-      const int64_t count = q - u < kConvRun ? q - u : kConvRun;
-      int64_t c = c0;
-      if (u == 0 && cs == 1) {
-        const int64_t cf = c0 + (nc / kLanes) * kLanes;
-        auto first = [&](auto* out, int64_t out_ld) {
-          if (acc == 1 && q == 1) conv_update_sd_first<T, W, true>(wt, slot_base, ts, acc, xr, D, q, count, out, out_ld, c0, cf);
-          else conv_update_sd_first<T, W, false>(wt, slot_base, ts, acc, xr, D, q, count, out, out_ld, c0, cf);
-        };
-        if constexpr (SILU) first(pre, kConvChanBlock);
-        else first(yr + c0, D);
-        c = cf;
-      }
-      for (; c < c1; c += kLanes) {
-        const int n = int(c1 - c < kLanes ? c1 - c : kLanes);
-        T* st = slot_base + c * cs;
-        const T* xp = xr + u * D + c;
-        VF e1 = vzero(), e2 = vzero(), e3 = vzero();
-        if (u == 0) {
-          const T* win = st + (acc - 1) * ts;  // window[j] = row acc-1+j; e_k = window[W-1-k]
-          if constexpr (W >= 2) e1 = conv_load_row(win + (W - 2) * ts, cs, n);
-          if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
-          if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
-        } else {  // e_k = x row u - k
-          if constexpr (W >= 2) e1 = vload_n(xp - D, n);
-          if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
-          if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
+    if (slot < 0) conv_zero_rows(y, D, start, start + q, c0, c1);
+    else work[nwork++] = Row{start, q, p.num_accepted[s], static_cast<T*>(p.conv_state) + slot * p.slot_stride};
+  }
+  for (int64_t b0 = c0; b0 < c1 && nwork > 0; b0 += kConvChanBlock) {
+    const int64_t b1 = b0 + kConvChanBlock < c1 ? b0 + kConvChanBlock : c1, nc = b1 - b0;
+    const float* wt = conv_update_params<W>(p, call, b0, b1, own);
+    const float* bt = wt + W * kConvChanBlock;
+    for (int64_t r = 0; r < nwork; ++r) {
+      const int64_t start = work[r].start, q = work[r].q, acc = work[r].acc;
+      const T* xr = x + start * D;
+      T* yr = y + start * D;
+      T* slot_base = work[r].slot;
+      for (int64_t u = 0; u < q; u += kConvRun) {
+        const int64_t count = q - u < kConvRun ? q - u : kConvRun;
+        int64_t c = b0;
+        if (u == 0 && cs == 1) {
+          const int64_t cf = b0 + (nc / kLanes) * kLanes;
+          auto first = [&](auto* out, int64_t out_ld) {
+            if (acc == 1 && q == 1)
+              conv_update_sd_first<T, W, true>(wt, slot_base, ts, acc, xr, D, q, count, out, out_ld, b0, cf);
+            else conv_update_sd_first<T, W, false>(wt, slot_base, ts, acc, xr, D, q, count, out, out_ld, b0, cf);
+          };
+          if constexpr (SILU) first(pre, kConvChanBlock);
+          else first(yr + b0, D);
+          c = cf;
         }
-        const VF b = vload(bt + (c - c0));
-        const float* wc = wt + (c - c0);
-        if constexpr (SILU) {
-          float* out = pre + (c - c0);
-          if (n == kLanes) conv_tokens<T, W, false, true, float>(wc, b, e3, e2, e1, xp, out, D, kConvChanBlock, count, n);
-          else conv_tokens<T, W, false, false, float>(wc, b, e3, e2, e1, xp, out, D, kConvChanBlock, count, n);
-        } else {
-          T* yp = yr + u * D + c;
-          if (n == kLanes) conv_tokens<T, W, false, true>(wc, b, e3, e2, e1, xp, yp, D, D, count, n);
-          else conv_tokens<T, W, false, false>(wc, b, e3, e2, e1, xp, yp, D, D, count, n);
-        }
-        if (u > 0) continue;
-        // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
-        const T* x0 = xr + c;
-        if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
-          for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
-          for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_copy_vec(st + (W - 2 + k) * ts, x0 + k * D, n);
-        } else {
-          if constexpr (W == 4) {
-            conv_store_row(st, cs, e2, n);
-            conv_store_row(st + ts, cs, e1, n);
+        for (; c < b1; c += kLanes) {
+          const int n = int(b1 - c < kLanes ? b1 - c : kLanes);
+          T* st = slot_base + c * cs;
+          const T* xp = xr + u * D + c;
+          VF e1 = vzero(), e2 = vzero(), e3 = vzero();
+          if (u == 0) {
+            const T* win = st + (acc - 1) * ts;  // window[j] = row acc-1+j; e_k = window[W-1-k]
+            if constexpr (W >= 2) e1 = conv_load_row(win + (W - 2) * ts, cs, n);
+            if constexpr (W >= 3) e2 = conv_load_row(win + (W - 3) * ts, cs, n);
+            if constexpr (W >= 4) e3 = conv_load_row(win + (W - 4) * ts, cs, n);
+          } else {  // e_k = x row u - k
+            if constexpr (W >= 2) e1 = vload_n(xp - D, n);
+            if constexpr (W >= 3) e2 = vload_n(xp - 2 * D, n);
+            if constexpr (W >= 4) e3 = vload_n(xp - 3 * D, n);
           }
-          if constexpr (W == 3) conv_store_row(st, cs, e1, n);
-          for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(x0 + k * D, n), n);
+          const VF b = vload(bt + (c - b0));
+          const float* wc = wt + (c - b0);
+          if constexpr (SILU) {
+            float* out = pre + (c - b0);
+            if (n == kLanes)
+              conv_tokens<T, W, false, true, float>(wc, b, e3, e2, e1, xp, out, D, kConvChanBlock, count, n);
+            else conv_tokens<T, W, false, false, float>(wc, b, e3, e2, e1, xp, out, D, kConvChanBlock, count, n);
+          } else {
+            T* yp = yr + u * D + c;
+            if (n == kLanes) conv_tokens<T, W, false, true>(wc, b, e3, e2, e1, xp, yp, D, D, count, n);
+            else conv_tokens<T, W, false, false>(wc, b, e3, e2, e1, xp, yp, D, D, count, n);
+          }
+          if (u > 0) continue;
+          // Row j <- window[j+1] = old row acc+j (j < W-2), then row W-2+k <- x_row[k].
+          const T* x0 = xr + c;
+          if (cs == 1) {  // SD: raw copies (the values are exact); row acc+j > j is still unwritten
+            for (int j = 0; j < W - 2; ++j) conv_copy_vec(st + j * ts, st + (acc + j) * ts, n);
+            for (int64_t k = W > 1 ? 0 : 1; k < q; ++k) conv_copy_vec(st + (W - 2 + k) * ts, x0 + k * D, n);
+          } else {
+            if constexpr (W == 4) {
+              conv_store_row(st, cs, e2, n);
+              conv_store_row(st + ts, cs, e1, n);
+            }
+            if constexpr (W == 3) conv_store_row(st, cs, e1, n);
+            for (int64_t k = W > 1 ? 0 : 1; k < q; ++k)
+              conv_store_row(st + (W - 2 + k) * ts, cs, vload_n(x0 + k * D, n), n);
+          }
         }
+        if constexpr (SILU) conv_act_rows<T, true>(pre, kConvChanBlock, yr + u * D + b0, D, count, nc);
       }
-      if constexpr (SILU) conv_act_rows<T, true>(pre, kConvChanBlock, yr + u * D + c0, D, count, nc);
     }
   }
 }
@@ -638,13 +663,27 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
 
 template <class T>
 void conv_update_impl(const ConvArgs& p, const Parallel& par_in) {
-  int64_t tokens = 0;  // the tokens of the rows this update owns
+  int64_t tokens = 0, longest = 0;  // the tokens of the rows this update owns, the most in one row
   for (int64_t s = 0; s < p.S; ++s)
-    if (p.rows.owns(s)) tokens += p.query_start_loc[s + 1] - p.query_start_loc[s];
+    if (p.rows.owns(s)) {
+      const int64_t q = p.query_start_loc[s + 1] - p.query_start_loc[s];
+      tokens += q;
+      longest = q > longest ? q : longest;
+    }
   const Parallel par = tokens * p.D * p.W <= kConvUpdateSerialWork ? Parallel{} : par_in;
-  auto run = [&](auto block) { conv_grid(p, par, p.S, kConvRowGroup, block); };
+  // Spec rows rewrite W - 2 + q slot rows and read q x rows: one row per item keeps the runs few.
+  const int64_t item_rows = longest > 1 ? 1 : kConvUpdateRows;
+  auto run = [&](auto block) { conv_grid(p, par, p.S, item_rows, block, kConvUpdateChans); };
+  int64_t rows = 0;  // with one row every block is used once: each item makes its own (call 0)
+  for (int64_t s = 0; s < p.S && rows < 2; ++s) rows += p.rows.owns(s) && p.state_indices[s] >= 0 ? 1 : 0;
+  const uint64_t call = rows > 1 ? conv_update_calls().fetch_add(1, std::memory_order_relaxed) + 1 : 0;
   conv_by_width(
-      p, [&](auto w, auto silu) { run(conv_update_block<T, decltype(w)::value, decltype(silu)::value>); },
+      p,
+      [&](auto w, auto silu) {
+        run([call](const ConvArgs& q, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+          conv_update_block<T, decltype(w)::value, decltype(silu)::value>(q, call, s0, s1, c0, c1);
+        });
+      },
       [&] { run(conv_update_block_any<T>); });
   // Tokens past query_start_loc[S] belong to no row: zero.
   const int64_t total = p.query_start_loc[p.S];
