@@ -479,16 +479,21 @@ inline std::atomic<uint64_t>& conv_update_calls() {
   static std::atomic<uint64_t> n{0};
   return n;
 }
+inline std::vector<uint64_t>& conv_update_stamps() {  // this thread's: per block, the call that made it
+  static thread_local std::vector<uint64_t> stamp;
+  return stamp;
+}
 template <int W>
 inline const float* conv_update_params(const ConvArgs& p, uint64_t call, int64_t c0, int64_t c1, float* own) {
   if (call == 0) {
     conv_params_t<W>(p, c0, c1, own);
     return own;
   }
-  static thread_local std::vector<uint64_t> stamp;  // per block: the call that made it (0: none)
+  std::vector<uint64_t>& stamp = conv_update_stamps();
   const int64_t nb = (p.D + kConvChanBlock - 1) / kConvChanBlock, k = c0 / kConvChanBlock;
   if (int64_t(stamp.size()) < nb) stamp.assign(size_t(nb), 0);
-  // Grows exactly when stamp does (its contents then lost, and every stamp cleared).
+  // Grows exactly when stamp does (its contents then lost, and every stamp cleared); a stamp only
+  // ever matches the call that wrote it, as each call takes a fresh number.
   float* wt = thread_scratch<float, 5>(int64_t(stamp.size()) * kConvParamFloats) + k * kConvParamFloats;
   if (stamp[size_t(k)] != call) {
     conv_params_t<W>(p, c0, c1, wt);
