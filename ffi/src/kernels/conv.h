@@ -668,19 +668,20 @@ void conv_update_block_any(const ConvArgs& p, int64_t s0, int64_t s1, int64_t c0
 
 template <class T>
 void conv_update_impl(const ConvArgs& p, const Parallel& par_in) {
-  int64_t tokens = 0, longest = 0;  // the tokens of the rows this update owns, the most in one row
+  // The rows this update owns: their tokens, the most in one row, how many have a slot.
+  int64_t tokens = 0, longest = 0, rows = 0;
   for (int64_t s = 0; s < p.S; ++s)
     if (p.rows.owns(s)) {
       const int64_t q = p.query_start_loc[s + 1] - p.query_start_loc[s];
       tokens += q;
       longest = q > longest ? q : longest;
+      rows += p.state_indices[s] >= 0 ? 1 : 0;
     }
   const Parallel par = tokens * p.D * p.W <= kConvUpdateSerialWork ? Parallel{} : par_in;
   // Spec rows rewrite W - 2 + q slot rows and read q x rows: one row per item keeps the runs few.
   const int64_t item_rows = longest > 1 ? 1 : kConvUpdateRows;
   auto run = [&](auto block) { conv_grid(p, par, p.S, item_rows, block, kConvUpdateChans); };
-  int64_t rows = 0;  // with one row every block is used once: each item makes its own (call 0)
-  for (int64_t s = 0; s < p.S && rows < 2; ++s) rows += p.rows.owns(s) && p.state_indices[s] >= 0 ? 1 : 0;
+  // With one row every block is used once: each item makes its own (call 0).
   const uint64_t call = rows > 1 ? conv_update_calls().fetch_add(1, std::memory_order_relaxed) + 1 : 0;
   conv_by_width(
       p,
