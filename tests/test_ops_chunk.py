@@ -242,6 +242,35 @@ def test_no_l2norm_custom_scale(isa, act):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "scale"])
+def test_outputs_from_a_large_state(isa, l2norm):
+    """bf16 activations, sequences of 3 to 300 tokens from initial states 10x the usual scale, so
+    that the outputs come mostly from Q S0: the case where rounding S0 to bf16 shows most (on
+    avx512bf16 Q S0 and K S0 take bf16 products in sequences over 128 tokens, with q and k as they
+    came and their scales applied after: ffi/README.md, "bf16 products with the state"). Each
+    sequence's output and final state within the budget, three draws."""
+    H, HV, K, V, N = 2, 4, 32, 32, 5
+    lens = [3, 129, 300, 40]
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    idx, his = [4, 0, 2, 1], [True] * 4
+    kw = {} if l2norm else dict(scale=0.7, use_qk_l2norm=False)
+    out_budget, state_budget = BUDGET[BF16]
+    for seed in range(3):
+        q, k, v, g, beta, pool = _problem(40 + seed, int(qsl[-1]), H, HV, K, V, N, BF16, F32,
+                                          qk_scale=1.0 if l2norm else K ** -0.5)
+        pool = pool * 10.0
+        ref_o, ref_pool = prefill_f64(q, k, v, g, beta, pool, qsl, idx, his, **kw)
+        o, st = _run(q, k, v, g, beta, pool, qsl, idx, his, BF16, F32, isa, **kw)
+        o = o.astype(np.float64)
+        for s, slot in enumerate(idx):
+            lo, hi = qsl[s], qsl[s + 1]
+            err_o = rel_rmse(o[lo:hi], ref_o[lo:hi])
+            err_s = rel_rmse(st[slot].astype(np.float64), ref_pool[slot])
+            assert err_o <= out_budget, f"seed {seed}, {hi - lo} tokens: output rel rmse {err_o:.2e}"
+            assert err_s <= state_budget, f"seed {seed}, {hi - lo} tokens: state rel rmse {err_s:.2e}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_l2norm_eps_reaches_kernel(isa):
     T, H, HV, K, V, N = 20, 1, 1, 16, 16, 1
     q, k, v, g, beta, pool = _problem(6, T, H, HV, K, V, N, F32, F32, qk_scale=0.05)

@@ -2,9 +2,10 @@
 // Included inside the ISA namespace (no include guard, no system headers).
 //
 // Work item = (sequence, value head); the chunks of one item run in order because the
-// state carries across them. Everything is f32 (products and sums); the decay cumsum is
-// kept in double so that exp(Gc_i - Gc_j) keeps its relative accuracy when the cumsums
-// are large. Design notes and flop counts: ffi/README.md, "Chunked prefill".
+// state carries across them. Products and sums are f32 (but Q S0 and K S0 on bf16 pairs
+// where bf16_state_products allows); the decay cumsum is kept in double so that
+// exp(Gc_i - Gc_j) keeps its relative accuracy when the cumsums are large. Design notes and
+// flop counts: ffi/README.md, "Chunked prefill".
 
 // ---------------------------------------------------------------------------------------
 // f32 micro-GEMM on VF
@@ -99,8 +100,63 @@ __attribute__((noinline)) void gemm_tile(const GemmOperands<TO>& g, int i0, int6
     for (int c = 0; c < NV; ++c) vstore(out + c * out_bs + r * out_ld, acc[r][c]);
 }
 
-template <int NV, bool kScaleC, class TO>
-inline void gemm_tile_rows(int mr, const GemmOperands<TO>& g, int i0, int64_t cb, int np) {
+#if defined(GDN_CHUNK_BF16_STATE)
+#if !defined(GDN_BF16_DOT)
+#error "GDN_CHUNK_BF16_STATE needs the bf16 dot product of the vector header (GDN_BF16_DOT)"
+#endif
+// Products with the state on bf16 pairs (bf16 activations on AVX512-BF16; chunk_head):
+// Cout = (crs ? crs[i] * Cin : 0) + A B with A and B rounded once to bf16, each pair's two
+// products summed in f32 by VDPBF16PS (twice the f32 FMA's rate) and accumulated in f32.
+// A(i, 2q) and A(i, 2q + 1) are the two bf16 at A + 2 (i rsa + q csa) (strides in pairs);
+// B is kept as pair panels: depth rows 2q and 2q + 1 of 16-column block cb are the 32 bf16 at
+// B + cb bbs + 32 q, interleaved (element 2j of row 2q, then of row 2q + 1: ps_pairs_to_bf16x32).
+struct GemmPairOperands {
+  const bf16* A;
+  int64_t rsa, csa;
+  const bf16* B;
+  int64_t bbs;
+  Mat<const float> Cin;
+  const float* crs;
+  Mat<float> Cout;
+};
+
+// gemm_tile's register tile over depth pairs (nq of them).
+template <int MR, int NV, bool kScaleC>
+__attribute__((noinline)) void gemm_tile(const GemmPairOperands& g, int i0, int64_t cb, int nq) {
+  if (nq < 1) __builtin_unreachable();
+  const bf16* A = g.A + 2 * i0 * g.rsa;
+  const int64_t rsa2 = 2 * g.rsa, csa2 = 2 * g.csa;
+  const bf16* B = g.B + cb * g.bbs;
+  const int64_t bbs = g.bbs;
+  VF acc[MR][NV];
+  if constexpr (kScaleC) {
+    const float* cin = g.Cin.p + cb * g.Cin.bs + i0 * g.Cin.ld;
+    for (int r = 0; r < MR; ++r) {
+      const VF s = vset1(g.crs[i0 + r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(cin + c * g.Cin.bs + r * g.Cin.ld);
+    }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
+  }
+  for (int q = 0; q < nq; ++q) {
+    VB b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = vload_b(B + c * bbs + q * kDotElems);
+    const bf16* a = A + q * csa2;
+    for (int r = 0; r < MR; ++r) {
+      const VB av = vbcast_b_pair(a + r * rsa2);
+      for (int c = 0; c < NV; ++c) acc[r][c] = vdot_bf16(acc[r][c], av, b[c]);
+    }
+  }
+  const int64_t out_ld = g.Cout.ld, out_bs = g.Cout.bs;
+  float* out = g.Cout.p + cb * out_bs + i0 * out_ld;
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) vstore(out + c * out_bs + r * out_ld, acc[r][c]);
+}
+#endif
+
+template <int NV, bool kScaleC, class G>
+inline void gemm_tile_rows(int mr, const G& g, int i0, int64_t cb, int np) {
   switch (mr) {
     case 6: gemm_tile<6, NV, kScaleC>(g, i0, cb, np); break;
     case 5: gemm_tile<5, NV, kScaleC>(g, i0, cb, np); break;
@@ -116,8 +172,8 @@ inline void gemm_tile_rows(int mr, const GemmOperands<TO>& g, int i0, int64_t cb
 // 1-3 rows is merged with the last full tile and split in two (32 rows: 6 6 6 6 4 4, not
 // 6 6 6 6 6 2): a 2-row tile keeps too few accumulator chains to fill the FMA pipes over their
 // latency (ffi/README.md, Chunked prefill, "Tile heights").
-template <bool kScaleC, class TO>
-inline void gemm_vf_blocks(int M, int N, int P, const GemmOperands<TO>& g, GemmShape shape) {
+template <bool kScaleC, class G>
+inline void gemm_vf_blocks(int M, int N, int P, const G& g, GemmShape shape) {
   for (int c0 = 0; c0 < N; c0 += kGemmNV * kLanes) {
     const int nv = N - c0 >= kGemmNV * kLanes ? kGemmNV : (N - c0) / kLanes;
     const int64_t cb = c0 / kLanes;
@@ -134,12 +190,16 @@ inline void gemm_vf_blocks(int M, int N, int P, const GemmOperands<TO>& g, GemmS
   }
 }
 
+template <class G>
+inline void gemm_vf_run(int M, int N, int P, const G& g, GemmShape shape) {
+  if (g.crs != nullptr) gemm_vf_blocks<true>(M, N, P, g, shape);
+  else gemm_vf_blocks<false>(M, N, P, g, shape);
+}
+
 template <class TO>
 inline void gemm_vf(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
                     Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
-  const GemmOperands<TO> g{A, rsa, csa, B, Cin, crs, Cout};
-  if (crs != nullptr) gemm_vf_blocks<true>(M, N, P, g, shape);
-  else gemm_vf_blocks<false>(M, N, P, g, shape);
+  gemm_vf_run(M, N, P, GemmOperands<TO>{A, rsa, csa, B, Cin, crs, Cout}, shape);
 }
 
 // gemm(): the micro-GEMM every product below calls; TA is the call's activation dtype. The
@@ -158,6 +218,22 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
   gemm_vf<TO>(M, N, P, A, rsa, csa, B, Cin, crs, Cout, shape);
 }
 #endif
+
+// Whether Q S0 and K S0 may run on bf16 pairs (GemmPairOperands): with bf16 activations on a
+// unit that sets GDN_CHUNK_BF16_STATE, for sequences longer than kPairsMinTokens. They are 59%
+// of the chunk's flops at C = 32. S0's rounding adds ~1.6e-3 to outputs that come mostly from the
+// state; a long sequence's error stays near its mean (2.2-2.3e-3 against the 3e-3 budget), a
+// short one's spreads past the budget. The state update stays f32: on bf16 pairs it took the
+// final state past its budget (ffi/README.md, "bf16 products with the state").
+constexpr int64_t kPairsMinTokens = 129;
+template <class TA>
+constexpr bool bf16_state_products() {
+#if defined(GDN_CHUNK_BF16_STATE)
+  return std::is_same<TA, bf16>::value;
+#else
+  return false;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------
 // chunked prefill
@@ -186,9 +262,16 @@ struct ChunkBufs {
   float* dg;       // [C] e^(G_last - Gc)
   float *gh, *gl;  // [C] the in-chunk cumsum Gc (double) as float hi + lo
   float* decay;    // [K] e^G_last repeated (row scale of the state update)
+  // Q S0 and K S0 on bf16 pairs (bf16_state_products; else null): q and k as they came (exact
+  // in bf16), their rows' scales (q^ = rq q, k^ = rk k) applied to the products' rows after.
+  bf16 *Qb, *Kb;  // [C][K]: q, k (A: pairs along K)
+  bf16* Sb;       // S0 of one head as pair panels (B)
+  float *rq, *rk; // [C] the row scales
+  float* egq;     // [C] e^Gc rq (row scale of X_Q in O)
+  bool pairs;     // Q S0 and K S0 on bf16 pairs (the buffers above are set)
   int64_t total;
 
-  ChunkBufs(float* base, int64_t K, int64_t V, int64_t gsz) {
+  ChunkBufs(float* base, int64_t K, int64_t V, int64_t gsz, bool bf16_products) {
     int64_t off = 0;
     auto take = [&](int64_t n) {
       float* p = base == nullptr ? nullptr : base + off;
@@ -212,6 +295,17 @@ struct ChunkBufs {
     gh = take(C);
     gl = take(C);
     decay = take(K);
+    Qb = Kb = Sb = nullptr;
+    rq = rk = egq = nullptr;
+    pairs = bf16_products;
+    if (bf16_products) {  // two bf16 per float
+      Qb = reinterpret_cast<bf16*>(take(C * K / 2));
+      Kb = reinterpret_cast<bf16*>(take(C * K / 2));
+      Sb = reinterpret_cast<bf16*>(take(K * V / 2));
+      rq = take(C);
+      rk = take(C);
+      egq = take(C);
+    }
     total = off;
   }
 };
@@ -271,6 +365,12 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
     for (int c = 0; c < Ki; c += kLanes) {
       vstore(qc + c, vload(qr + c) * vset1(rq));
       vstore(kc + c, vload(kr + c) * vset1(rk));
+    }
+    if (bf16_state_products<TA>() && b.pairs) {
+      std::memcpy(b.Qb + i * K, qr, size_t(K) * sizeof(TA));
+      std::memcpy(b.Kb + i * K, kr, size_t(K) * sizeof(TA));
+      b.rq[i] = rq;
+      b.rk[i] = rk;
     }
     if (i < nfull) continue;  // whole panels: transposed in 16 x 16 blocks below
     float* kt = b.KcT + (i / kLanes) * K * kLanes + i % kLanes;  // panel i / 16, lane i % 16
@@ -393,15 +493,35 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
 
   // Q S0 and K S0 (nothing to do from a zero state).
   if (!zero_state) {
-    gemm<float, TA>(n, Vi, Ki, b.Qc, K, 1, Sm, {}, nullptr, xq, kGemmFull);
-    gemm<float, TA>(n, Vi, Ki, b.Kc, K, 1, Sm, {}, nullptr, xk, kGemmFull);
+#if defined(GDN_CHUNK_BF16_STATE)
+    if (bf16_state_products<TA>() && b.pairs) {
+      // S0's panels as pair panels: rows 2q, 2q + 1 of a panel are the 32 floats at 32 q.
+      for (int64_t e = 0; e < K * V; e += 2 * kLanes) {
+        const VF x[2] = {vload(S + e), vload(S + e + kLanes)};
+        vstore_pairs(b.Sb + e, x);
+      }
+      gemm_vf_run(n, Vi, Ki / 2, GemmPairOperands{b.Qb, K / 2, 1, b.Sb, 16 * K, {}, nullptr, xq}, kGemmFull);
+      gemm_vf_run(n, Vi, Ki / 2, GemmPairOperands{b.Kb, K / 2, 1, b.Sb, 16 * K, {}, nullptr, xk}, kGemmFull);
+    } else
+#endif
+    {
+      gemm<float, TA>(n, Vi, Ki, b.Qc, K, 1, Sm, {}, nullptr, xq, kGemmFull);
+      gemm<float, TA>(n, Vi, Ki, b.Kc, K, 1, Sm, {}, nullptr, xk, kGemmFull);
+    }
   }
 
-  // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R.
+  // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R. On bf16 pairs
+  // the products' rows still lack rk and rq: folded into their row scales here and in O.
+  const bool pairs = bf16_state_products<TA>() && b.pairs;
+  const float* eg_o = b.eg;
+  if (pairs) {
+    for (int i = 0; i < n; ++i) b.egq[i] = b.eg[i] * b.rq[i];
+    eg_o = b.egq;
+  }
   for (int i = 0; i < n; ++i) {
     const TA* vr = v + i * v_ld;
     const VF bi = vset1(beta[i]);
-    const VF ei = vset1(b.eg[i]);
+    const VF ei = vset1(pairs ? b.eg[i] * b.rk[i] : b.eg[i]);
     for (int c = 0; c < Vi; c += kLanes) {
       float* r = b.XK + c * C + i * kLanes;  // panel c / 16, row i
       vstore(r, zero_state ? bi * vload(vr + c) : bi * (vload(vr + c) - ei * vload(r)));
@@ -411,7 +531,7 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
 
   // O = diag(e^Gc) Q S0 + P V_new, stored straight into o in the activation dtype.
   gemm<TA, TA>(n, Vi, n, b.P, C, 1, {b.Vn, kLanes, kLanes * C}, {b.XQ, kLanes, kLanes * C},
-               zero_state ? nullptr : b.eg, row_major(o + (t0 * HV + h) * V, HV * V), kGemmTriDepth);
+               zero_state ? nullptr : eg_o, row_major(o + (t0 * HV + h) * V, HV * V), kGemmTriDepth);
 
   // S = e^G_last S0 + K^T diag(e^(G_last - Gc)) V_new (the A operand K^T is read from Kc).
   for (int i = 0; i < n; ++i) {
@@ -476,7 +596,7 @@ void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t s, int3
   const int64_t bos = p.query_start_loc[s], eos = p.query_start_loc[s + 1];
   TS* pool = static_cast<TS*>(p.ssm_state);
   const TA* o = static_cast<const TA*>(p.o);
-  const ChunkBufs<C> b(scratch, K, V, gsz);
+  const ChunkBufs<C> b(scratch, K, V, gsz, bf16_state_products<TA>() && eos - bos >= kPairsMinTokens);
   if (!zero_state) {
     for (int64_t j = 0; j < gsz; ++j) {  // k-major [K][V] -> panels
       const TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
@@ -564,7 +684,8 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par, const ChunkConv<TA>* cf
     if (qsl[s + 1] > qsl[s] && p.rows.owns(s)) seqs[nseq++] = s;
   const int64_t gsz = chunk_group(p, nseq, par.num_threads);
   const int64_t groups = HV / gsz;  // items per sequence
-  const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz).total;  // C = 64's buffers hold C = 32's
+  // C = 64's buffers hold C = 32's, with pairs those without.
+  const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz, bf16_state_products<TA>()).total;
   par(nseq * groups, 1, [&](int64_t begin, int64_t end) {
     float* scratch = chunk_scratch(need);
     for (int64_t item = begin; item < end; ++item) {
