@@ -172,6 +172,15 @@ def chunk_flops(lens, chunk=None):
     return 2 * HV * macs
 
 
+def chunk_pair_flops(lens):
+    """The part of chunk_flops that runs on bf16 pairs with bf16 activations (Q S0 and K S0, 2 n K V
+    multiply-adds per value head and chunk, in the sequences where the ISA takes them so: ffi/README.md,
+    "bf16 products with the state"); 0 where it does not."""
+    from gdn_jax import _gdn_ffi
+    macs = sum(2 * n_seq * K * V for n_seq in lens if _gdn_ffi.chunk_bf16_pairs_for(int(n_seq)))
+    return 2 * HV * macs
+
+
 def chunk_size_note():
     """How gdn_jax chose the chunk size in this run (RESULTS.md, results.json)."""
     long, short = chunk_size(1 << 20), chunk_size(1)
@@ -322,9 +331,11 @@ def case_gating(rng, T, impl):
     return fn, (a, b), None, T, 0, None
 
 
-def _op(op, case, make, *, unit=None, vllm=None, state=None, x=None, impls=None):
-    """One ops case. unit: what `work` counts ("bytes" or "flops"); vllm: (case, ops) to look up."""
-    return dict(op=op, case=case, make=make, unit=unit, vllm=vllm, state=state, x=x, impls=impls)
+def _op(op, case, make, *, unit=None, vllm=None, state=None, x=None, impls=None, work_bf16_pairs=None):
+    """One ops case. unit: what `work` counts ("bytes" or "flops"); vllm: (case, ops) to look up;
+    work_bf16_pairs: the part of the native kernel's flops on bf16 pairs (chunk_pair_flops)."""
+    return dict(op=op, case=case, make=make, unit=unit, vllm=vllm, state=state, x=x, impls=impls,
+                work_bf16_pairs=work_bf16_pairs)
 
 
 def cases(quick):
@@ -343,7 +354,8 @@ def cases(quick):
         lab = f"T={lens[0]}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
         vcase = f"prefill_{lens[0]}" if len(lens) == 1 else f"prefill_{len(lens)}x{lens[0]}"
         return _op("chunk", f"{lab} {'f32' if sd == f32 else 'bf16'}", lambda r, i: case_chunk(r, lens, sd, i),
-                   unit="flops", vllm=(vcase, vc.CHUNK_KERNEL), state=sname[sd], x=sum(lens) if len(lens) == 1 else None)
+                   unit="flops", vllm=(vcase, vc.CHUNK_KERNEL), state=sname[sd], x=sum(lens) if len(lens) == 1 else None,
+                   work_bf16_pairs=chunk_pair_flops(lens))
 
     def conv_fwd(lens):
         lab = f"T={lens[0]}" if len(lens) == 1 else f"{len(lens)}x{lens[0]}"
@@ -418,6 +430,8 @@ def run_ops(quick, impls, target, probe_beside=None):
     for n, c in enumerate(all_cases, 1):
         row = dict(op=c["op"], case=c["case"], state=c["state"], x=c["x"], unit=c["unit"],
                    vllm_case=c["vllm"][0] if c["vllm"] else None)
+        if c["work_bf16_pairs"]:
+            row["work_bf16_pairs"] = c["work_bf16_pairs"]
         if probe_beside is not None:
             probe_beside(row)
         for impl in impls:
@@ -757,7 +771,7 @@ def layer_cases(quick):
         name = f"prefill_{lens[0]}" if len(lens) == 1 else f"prefill_{len(lens)}x{lens[0]}"
         sets = [[Request.prefill(i, n) for i, n in enumerate(lens)]]
         out.append(dict(case=name, state="fp32", tokens=T, x=T if len(lens) == 1 else None, unit="flops",
-                        work=chunk_flops(lens),
+                        work=chunk_flops(lens), work_bf16_pairs=chunk_pair_flops(lens),
                         setup=lambda sets=sets, T=T, S=len(lens): layer_call("prefill", f32, sets, T, S, 0, S + 2),
                         base=("prefill", (lens,), "fp32"), vllm=(name, vc.NONSPEC_FORWARD, vc.CHUNK_KERNEL)))
     return out
@@ -784,6 +798,8 @@ def run_layer(quick, target, baseline_path, no_wait, probe_beside=None):
         call = case["setup"]()
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
                    work=case["work"], vllm_case=case["vllm"][0])
+        if case.get("work_bf16_pairs"):
+            row["work_bf16_pairs"] = case["work_bf16_pairs"]
         if probe_beside is not None:
             probe_beside(row)
         row["native"] = layer_step(call, target, case["tokens"])

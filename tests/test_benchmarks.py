@@ -705,6 +705,29 @@ def test_prefill_target_is_graded_on_the_f32_fma_peak():
     assert next(x for x in report.grade(res)["targets"] if x["case"] == "prefill_2048 fp32 alone")["status"] == "not met"
 
 
+def test_prefill_flops_on_bf16_pairs_count_at_the_bf16_dot_peak():
+    """Where the native chunk runs part of its flops on bf16 pairs (work_bf16_pairs), the FMA
+    yardstick is the rate of both instruction mixes at their peaks: 60% of the flops at a dot peak
+    of 200 and 40% at an FMA peak of 100 GFLOP/s give 1 / (0.4 / 100 + 0.6 / 200) = 142.9. A step
+    above it is a wrong probe, not a fraction over 100%."""
+    roof = dict(_res()["roofline"], fma_peak_gflops=100.0, bf16_dot_peak_gflops=200.0,
+                bf16_dot_peak_source="vdpbf16ps probe")
+    lay = dict(case="prefill_2048", state="fp32", unit="flops", work=120e9, work_bf16_pairs=72e9, tokens=2048,
+               native=_nat(1000.0))  # 120 GFLOP/s: 120% of the f32 FMA peak, 84% of the yardstick
+    res = report.grade(_res(roofline=roof, layer=[lay]))
+    assert _close(lay["fma_yardstick_gflops"], 1 / (0.4 / 100 + 0.6 / 200))
+    pre = next(x for x in res["targets"] if x["case"] == "prefill_2048 fp32 alone")
+    assert pre["status"] == "met" and _close(pre["value"], 120 / lay["fma_yardstick_gflops"])
+    assert "60% of the flops" in pre["note"] and "142.9 GFLOP/s" in pre["note"]
+    lay["native"] = _nat(800.0)  # 150 GFLOP/s: above what the two peaks allow
+    pre = next(x for x in report.grade(res)["targets"] if x["case"] == "prefill_2048 fp32 alone")
+    assert pre["status"] == "probe wrong" and "above the kernel's FMA yardstick" in pre["note"]
+    lay.pop("work_bf16_pairs")  # without pairs the f32 FMA peak alone: 150% of it is a wrong probe too
+    lay["native"] = _nat(1000.0)
+    pre = next(x for x in report.grade(res)["targets"] if x["case"] == "prefill_2048 fp32 alone")
+    assert pre["status"] == "probe wrong" and _close(lay["fma_yardstick_gflops"], 100.0)
+
+
 def test_spec_rows_are_also_rated_against_their_own_access_pattern():
     """A spec row (op or layer step, not the spec step's conv update) keeps the rmw target the issue
     names and gets, in its note, its fraction of the spec-pattern probe: the run's best reading and

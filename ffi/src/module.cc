@@ -143,6 +143,15 @@ NB_MODULE(_gdn_ffi, m) {
       [](int64_t length) { return gdn::current_table().chunk_size_for(gdn::forced_chunk_size(), length); },
       nb::arg("length"), "The chunk size the selected ISA's chunked prefill uses for a sequence of `length` tokens.");
   m.def(
+      "chunk_bf16_pairs_for",
+      [](int64_t length) {
+        const int64_t m = gdn::current_table().chunk_pairs_min_tokens;
+        return m > 0 && length >= m;
+      },
+      nb::arg("length"),
+      "Whether the selected ISA's chunked prefill takes Q S0 and K S0 on bf16 pairs for a sequence of `length` "
+      "tokens with bf16 activations (benchmarks: the flop mix).");
+  m.def(
       "select_isa",
       [](const std::string& name) {
         std::string why;

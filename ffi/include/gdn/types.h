@@ -161,6 +161,9 @@ struct KernelTable {
   void (*conv_chunk)(const ConvArgs&, const ChunkArgs&, const Parallel&) = nullptr;
   // The chunk size chunk() uses for a sequence of `len` tokens (`forced`: ChunkArgs::chunk_size).
   int (*chunk_size_for)(int forced, int64_t len) = nullptr;
+  // With bf16 activations, sequences of at least this many tokens take the chunk's Q S0 and
+  // K S0 on bf16 pairs (kernels/chunk.h, bf16_state_products); 0: never. Benchmarks' flop mix.
+  int64_t chunk_pairs_min_tokens = 0;
   void (*linear)(const LinearArgs&, const Parallel&) = nullptr;
   void (*linear_packed)(const LinearArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
