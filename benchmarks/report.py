@@ -170,8 +170,9 @@ def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
         note = f"{rate:.1f} {unit} of the f32 FMA peak"
         if row.get("work_bf16_pairs") and row.get("fma_yardstick_gflops"):
             note += (f", {100 * row['work_bf16_pairs'] / row['work']:.0f}% of the flops (Q S0, K S0 on bf16 pairs) "
-                     f"counted at the bf16 dot peak: {row['fma_yardstick_gflops']:.1f} GFLOP/s")
-        if row.get("roofline") and row["roofline"] != "f32 FMA peak":
+                     f"counted at the bf16 dot peak: {row['fma_yardstick_gflops']:.1f} GFLOP/s; "
+                     f"{100 * row[f'frac_roofline{suffix}']:.0f}% of the bf16 dot peak")
+        elif row.get("roofline") and row["roofline"] != "f32 FMA peak":
             note += (f"; {100 * row[f'frac_roofline{suffix}']:.0f}% of the {row['roofline']}, which the chunk's f32 "
                      "GEMMs do not use (the accuracy budgets: ffi/README.md, Limits)")
     else:

@@ -719,6 +719,7 @@ def test_prefill_flops_on_bf16_pairs_count_at_the_bf16_dot_peak():
     pre = next(x for x in res["targets"] if x["case"] == "prefill_2048 fp32 alone")
     assert pre["status"] == "met" and _close(pre["value"], 120 / lay["fma_yardstick_gflops"])
     assert "60% of the flops" in pre["note"] and "142.9 GFLOP/s" in pre["note"]
+    assert "60% of the bf16 dot peak" in pre["note"] and "do not use" not in pre["note"]
     lay["native"] = _nat(800.0)  # 150 GFLOP/s: above what the two peaks allow
     pre = next(x for x in report.grade(res)["targets"] if x["case"] == "prefill_2048 fp32 alone")
     assert pre["status"] == "probe wrong" and "above the kernel's FMA yardstick" in pre["note"]
