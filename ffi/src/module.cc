@@ -145,8 +145,8 @@ NB_MODULE(_gdn_ffi, m) {
   m.def(
       "chunk_bf16_pairs_for",
       [](int64_t length) {
-        const int64_t m = gdn::current_table().chunk_pairs_min_tokens;
-        return m > 0 && length >= m;
+        const int64_t min_tokens = gdn::current_table().chunk_pairs_min_tokens;
+        return min_tokens > 0 && length >= min_tokens;
       },
       nb::arg("length"),
       "Whether the selected ISA's chunked prefill takes Q S0 and K S0 on bf16 pairs for a sequence of `length` "

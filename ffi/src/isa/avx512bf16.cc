@@ -6,7 +6,7 @@
 // Chunk size of sequences longer than 128 tokens (kernels/chunk.h): 32 measured 4-9% faster
 // than 64 on Zen 4 (ffi/README.md, "Chunk size").
 #define GDN_CHUNK_LONG 32
-// bf16 activations: the chunk's products with the state on VDPBF16PS (kernels/chunk.h,
-// bf16_state_products; ffi/README.md, "bf16 products with the state").
+// bf16 activations: the chunk's Q S0 and K S0 on VDPBF16PS in sequences over 128 tokens
+// (kernels/chunk.h, bf16_state_products; ffi/README.md, "bf16 products with the state").
 #define GDN_CHUNK_BF16_STATE 1
 #include "kernels/all_kernels.inc"

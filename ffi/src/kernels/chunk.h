@@ -105,8 +105,9 @@ __attribute__((noinline)) void gemm_tile(const GemmOperands<TO>& g, int i0, int6
 #error "GDN_CHUNK_BF16_STATE needs the bf16 dot product of the vector header (GDN_BF16_DOT)"
 #endif
 // Products with the state on bf16 pairs (bf16 activations on AVX512-BF16; chunk_head):
-// Cout = (crs ? crs[i] * Cin : 0) + A B with A and B rounded once to bf16, each pair's two
-// products summed in f32 by VDPBF16PS (twice the f32 FMA's rate) and accumulated in f32.
+// Cout = (crs ? crs[i] * Cin : 0) + A B with A and B in bf16 (there: q or k as they came, S0
+// rounded once), each pair's two products summed in f32 by VDPBF16PS (twice the f32 FMA's
+// rate) and accumulated in f32.
 // A(i, 2q) and A(i, 2q + 1) are the two bf16 at A + 2 (i rsa + q csa) (strides in pairs);
 // B is kept as pair panels: depth rows 2q and 2q + 1 of 16-column block cb are the 32 bf16 at
 // B + cb bbs + 32 q, interleaved (element 2j of row 2q, then of row 2q + 1: ps_pairs_to_bf16x32).
@@ -220,7 +221,7 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
 #endif
 
 // Whether Q S0 and K S0 may run on bf16 pairs (GemmPairOperands): with bf16 activations on a
-// unit that sets GDN_CHUNK_BF16_STATE, for sequences longer than kPairsMinTokens. They are 59%
+// unit that sets GDN_CHUNK_BF16_STATE, in sequences of kPairsMinTokens or more. They are 59%
 // of the chunk's flops at C = 32. S0's rounding adds ~1.6e-3 to outputs that come mostly from the
 // state; a long sequence's error stays near its mean (2.2-2.3e-3 against the 3e-3 budget), a
 // short one's spreads past the budget. The state update stays f32: on bf16 pairs it took the
