@@ -61,6 +61,33 @@ struct GemmOperands {
   Mat<TO> Cout;
 };
 
+// A tile's accumulators at its start (crs[i] * Cin, or zero) and at its end (into Cout); shared
+// by the f32 tile and the bf16-pair one, inlined into each.
+template <int MR, int NV, bool kScaleC>
+__attribute__((always_inline)) inline void gemm_acc_start(VF (&acc)[MR][NV], const Mat<const float>& Cin,
+                                                          const float* crs, int i0, int64_t cb) {
+  if constexpr (kScaleC) {
+    const float* cin = Cin.p + cb * Cin.bs + i0 * Cin.ld;
+    for (int r = 0; r < MR; ++r) {
+      const VF s = vset1(crs[i0 + r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(cin + c * Cin.bs + r * Cin.ld);
+    }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
+  }
+}
+
+template <int MR, int NV, class TO>
+__attribute__((always_inline)) inline void gemm_acc_store(const VF (&acc)[MR][NV], const Mat<TO>& Cout, int i0,
+                                                          int64_t cb) {
+  // Strides in locals: read through the reference, GCC reloaded them after every store.
+  const int64_t ld = Cout.ld, bs = Cout.bs;
+  TO* out = Cout.p + cb * bs + i0 * ld;
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) vstore(out + c * bs + r * ld, acc[r][c]);
+}
+
 // Rows [i0, i0 + MR) x column blocks [cb, cb + NV) of Cout, depth np. Not inlined: inlined
 // into a large caller, GCC stopped keeping the accumulator array in registers (spills inside
 // the depth loop, half the speed). kScaleC (crs != null) is a template parameter, so that a
@@ -75,16 +102,7 @@ __attribute__((noinline)) void gemm_tile(const GemmOperands<TO>& g, int i0, int6
   const float* B = g.B.p + cb * g.B.bs;
   const int64_t bld = g.B.ld, bbs = g.B.bs;
   VF acc[MR][NV];
-  if constexpr (kScaleC) {
-    const float* cin = g.Cin.p + cb * g.Cin.bs + i0 * g.Cin.ld;
-    for (int r = 0; r < MR; ++r) {
-      const VF s = vset1(g.crs[i0 + r]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(cin + c * g.Cin.bs + r * g.Cin.ld);
-    }
-  } else {
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
-  }
+  gemm_acc_start<MR, NV, kScaleC>(acc, g.Cin, g.crs, i0, cb);
   for (int p = 0; p < np; ++p) {
     VF b[NV];
     for (int c = 0; c < NV; ++c) b[c] = vload(B + c * bbs + p * bld);
@@ -94,10 +112,7 @@ __attribute__((noinline)) void gemm_tile(const GemmOperands<TO>& g, int i0, int6
       for (int c = 0; c < NV; ++c) acc[r][c] = vfma(av, b[c], acc[r][c]);
     }
   }
-  const int64_t out_ld = g.Cout.ld, out_bs = g.Cout.bs;
-  TO* out = g.Cout.p + cb * out_bs + i0 * out_ld;
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NV; ++c) vstore(out + c * out_bs + r * out_ld, acc[r][c]);
+  gemm_acc_store<MR, NV>(acc, g.Cout, i0, cb);
 }
 
 #if defined(GDN_CHUNK_BF16_STATE)
@@ -130,16 +145,7 @@ __attribute__((noinline)) void gemm_tile(const GemmPairOperands& g, int i0, int6
   const bf16* B = g.B + cb * g.bbs;
   const int64_t bbs = g.bbs;
   VF acc[MR][NV];
-  if constexpr (kScaleC) {
-    const float* cin = g.Cin.p + cb * g.Cin.bs + i0 * g.Cin.ld;
-    for (int r = 0; r < MR; ++r) {
-      const VF s = vset1(g.crs[i0 + r]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = s * vload(cin + c * g.Cin.bs + r * g.Cin.ld);
-    }
-  } else {
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
-  }
+  gemm_acc_start<MR, NV, kScaleC>(acc, g.Cin, g.crs, i0, cb);
   for (int q = 0; q < nq; ++q) {
     VB b[NV];
     for (int c = 0; c < NV; ++c) b[c] = vload_b(B + c * bbs + q * kDotElems);
@@ -149,10 +155,7 @@ __attribute__((noinline)) void gemm_tile(const GemmPairOperands& g, int i0, int6
       for (int c = 0; c < NV; ++c) acc[r][c] = vdot_bf16(acc[r][c], av, b[c]);
     }
   }
-  const int64_t out_ld = g.Cout.ld, out_bs = g.Cout.bs;
-  float* out = g.Cout.p + cb * out_bs + i0 * out_ld;
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NV; ++c) vstore(out + c * out_bs + r * out_ld, acc[r][c]);
+  gemm_acc_store<MR, NV>(acc, g.Cout, i0, cb);
 }
 #endif
 
