@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -1522,6 +1523,53 @@ static bool isa_selected_for_tests(const std::string& isa) {
 
 // WorkBlocks (the parallel-for's range sharing): a worker alone runs its block in order, then
 // the others' from their backs; workers on threads claim every range exactly once.
+// Every Parallel range runs with denormals flushed (gdn/flush_denormals.h), serial or on
+// threads that inherited a caller's IEEE setting, and the caller gets its own setting back.
+#if defined(__x86_64__)
+using FpControl = unsigned;
+FpControl fp_control() { return __builtin_ia32_stmxcsr() & ~0x3fu; }  // less the sticky exception flags
+void set_fp_control(FpControl c) { __builtin_ia32_ldmxcsr(c); }
+#elif defined(__aarch64__)
+using FpControl = unsigned long long;
+FpControl fp_control() { return __builtin_aarch64_get_fpcr64(); }
+void set_fp_control(FpControl c) { __builtin_aarch64_set_fpcr64(c); }
+#endif
+
+float denormal_product() {  // 2^-70 * 2^-70 = 2^-140: a denormal, 0 when flushed
+  volatile float a = 0x1p-70f, b = 0x1p-70f;
+  return a * b;
+}
+
+void test_flush_denormals() {
+#if defined(__x86_64__) || defined(__aarch64__)
+  const FpControl saved = fp_control();
+  for (const bool caller_flushes : {false, true}) {
+    set_fp_control(caller_flushes ? saved | FlushDenormals::kBits : saved & ~FlushDenormals::kBits);
+    const FpControl before = fp_control();
+    for (const int threads : {1, 3}) {
+      ThreadedParallel tp{threads};
+      std::mutex mu;
+      int ranges = 0, flushed = 0;
+      tp.par()(12, 2, [&](int64_t, int64_t) {
+        const bool ok = FlushDenormals::active() && denormal_product() == 0.f;
+        std::lock_guard<std::mutex> lock(mu);
+        ++ranges;
+        flushed += ok;
+      });
+      const std::string tag = std::string("flush denormals, caller ") + (caller_flushes ? "flushing" : "IEEE") +
+                              ", " + std::to_string(threads) + " thread(s)";
+      check_true(tag + ": every range flushed", ranges > 0 && flushed == ranges,
+                 std::to_string(flushed) + " of " + std::to_string(ranges));
+      check_true(tag + ": the caller's setting back", fp_control() == before &&
+                 (denormal_product() == 0.f) == caller_flushes);
+    }
+  }
+  set_fp_control(saved);
+#else
+  check_true("flush denormals: no control on this target", !FlushDenormals::active());
+#endif
+}
+
 void test_work_blocks() {
   {
     WorkBlocks blocks(10, 3);  // blocks [0, 3), [3, 6), [6, 10)
@@ -1562,6 +1610,7 @@ int main() {
   }
   test_huge_page_hint();
   test_work_blocks();
+  test_flush_denormals();
 #if GDN_TEST_AMX
   {
     std::mt19937 rng(99);

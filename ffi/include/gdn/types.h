@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "gdn/flush_denormals.h"
+
 namespace gdn {
 
 // bf16 as stored (upper half of an IEEE f32). A distinct type so that overloads on
@@ -18,7 +20,8 @@ enum class DType : int32_t { f32 = 0, bf16 = 1 };
 // Parallel-for handed to every kernel. run(n, grain, body) calls body(ctx, begin, end) on
 // disjoint ranges covering [0, n); ranges are at least `grain` long (except the last).
 // Each work item must write disjoint memory and compute the same bits whichever thread
-// runs it, so results never depend on the thread count.
+// runs it, so results never depend on the thread count. Every range runs with denormals
+// flushed (gdn/flush_denormals.h), on the caller's thread too.
 struct Parallel {
   using Body = void (*)(void* body_ctx, int64_t begin, int64_t end);
   void* ctx = nullptr;
@@ -28,7 +31,10 @@ struct Parallel {
   template <class F>
   void operator()(int64_t n, int64_t grain, F&& f) const {
     using Fn = typename std::remove_reference<F>::type;
-    Body body = [](void* c, int64_t b, int64_t e) { (*static_cast<Fn*>(c))(b, e); };
+    Body body = [](void* c, int64_t b, int64_t e) {
+      const FlushDenormals flush;
+      (*static_cast<Fn*>(c))(b, e);
+    };
     if (run_fn == nullptr || num_threads <= 1 || n <= grain) {
       if (n > 0) body(&f, 0, n);
       return;
