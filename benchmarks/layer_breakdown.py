@@ -79,7 +79,7 @@ def case_batch(kind: str, n: int, num_slots: int, first_slot: int = 0):
     return build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=max(2, len(reqs))), T
 
 
-def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain", cold_bytes=4 * roofline.LLC_BYTES):
+def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain", cold_bytes=roofline.COLD_BYTES):
     hidden, H, HV, K, V = dims
     cfg = GDNLayerConfig(hidden_size=hidden, core=GDNConfig(num_k_heads=H, num_v_heads=HV, head_k_dim=K,
                                                             head_v_dim=V, act_dtype=jnp.bfloat16))
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     for i, (name, dims, kind, n, w) in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {name} {kind} {n} {w} weights", flush=True)
         rows.append(run_case(name, dims, kind, n, peak, lambda s: print(s, flush=True), args.compare_xla, w,
-                             cold_bytes=(1 << 20) if args.quick else 4 * roofline.LLC_BYTES))
+                             cold_bytes=(1 << 20) if args.quick else roofline.COLD_BYTES))
     if args.quick:
         return 0
     lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",

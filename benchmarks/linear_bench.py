@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--in", type=int, default=2048, dest="n_in")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="per timing (XLA's slow cases: 3 calls at least)")
-    ap.add_argument("--cold-bytes", type=int, default=4 * roofline.LLC_BYTES,
+    ap.add_argument("--cold-bytes", type=int, default=roofline.COLD_BYTES,
                     help="the calls cycle over copies of w holding at least this many bytes (0: one copy)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     print(f"projection [{args.n_out} x {args.n_in}] bf16 on {cpu}, ISA {gdn_jax.selected_isa()}, jax "
           f"{jax.__version__}", flush=True)
     threads = os.cpu_count() or 1
-    probe_bytes = (1 << 22) if args.quick else 8 * roofline.LLC_BYTES
+    probe_bytes = (1 << 22) if args.quick else roofline.PROBE_BYTES
     read_gbs = [roofline.bandwidth_gbs("read", probe_bytes)]
     fma_peak = roofline.fma_peak_gflops(threads)
     dot_peak, dot_source = roofline.bf16_dot_peak(gdn_jax.selected_isa(), threads, fma_peak)

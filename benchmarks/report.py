@@ -37,7 +37,8 @@ def is_spec_row(row):
 
 def bandwidth_kind(row):
     """The bandwidth a bytes row is held to: a conv prefill reads x and writes a fresh output (copy);
-    decode, spec and the conv update read their state slots from a pool 4x the LLC and write them back
+    decode, spec and the conv update read their state slots from a pool 4x the LLC (within a memory cap:
+    roofline.cold_bytes) and write them back
     (read-modify-write). None for the decode_pool rows (the same 8 bf16 slots, 8 MiB, every call: they
     stay in the LLC; those rows compare pool sizes, not the machine): a DRAM roofline does not bound them."""
     if row.get("op") == "decode_pool":

@@ -48,8 +48,34 @@ def llc_bytes(default=32 << 20, sysfs="/sys/devices/system/cpu"):
     return sum(instances.values()) or default
 
 
-# The cold-state pools are 4x and the bandwidth probe's buffer 8x this (issue #20).
+def mem_available_bytes(meminfo="/proc/meminfo"):
+    """MemAvailable in bytes, None where /proc/meminfo does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cold_bytes(llc, available, factor=4):
+    """Bytes of a cold pool: `factor` x the LLC (issue #20: cold-state pools 4x, the bandwidth probe's
+    buffer 8x), capped by memory: a layer case holds about a dozen pool-sized buffers at once (its
+    pools, their donated copies, the jnp baseline's), and a VM may report its host's whole L3 (480 MiB
+    on a 2-vCPU Xeon, where 4x per pool ran a 24 GiB machine out of memory). The cap is factor / 96 of
+    the memory available, at least 64 MiB per unit of factor; the reports give the sizes used."""
+    want = factor * llc
+    if available is None:
+        return want
+    return min(want, max(factor * (64 << 20), available * factor // 96))
+
+
 LLC_BYTES = llc_bytes()
+MEM_AVAILABLE = mem_available_bytes()
+COLD_BYTES = cold_bytes(LLC_BYTES, MEM_AVAILABLE, 4)   # cold state pools
+PROBE_BYTES = cold_bytes(LLC_BYTES, MEM_AVAILABLE, 8)  # the bandwidth probe's buffer
 PIECE = 16384  # floats per work item of the probe (64 KiB, one f32 state head)
 
 # mode of the probe, and the bytes a call moves per byte of its buffer (read + written). spec:
@@ -71,10 +97,10 @@ def _probe_call(mode):
     return jax.jit(f, donate_argnums=1)
 
 
-def bandwidth_gbs(kind, nbytes=8 * LLC_BYTES, reps=7):
+def bandwidth_gbs(kind, nbytes=PROBE_BYTES, reps=7):
     """GB/s (bytes read + written) of the fastest of `reps` probe calls (a ceiling: no call can beat
     the machine, and on a shared host the slower ones are others' load) of `kind` (rmw, read, copy, spec)
-    over a buffer of nbytes (default 8x the LLC, so no pass finds its data in cache), after two untimed
+    over a buffer of nbytes (default 8x the LLC within the memory cap, so no pass finds its data in cache), after two untimed
     calls that fault the pages in. A copy's stores count once: its read-for-ownership is not counted,
     as no kernel's bytes count one."""
     mode, per_byte = BANDWIDTH_MODES[kind]

@@ -136,10 +136,11 @@ def rnd(rng, shape, dtype, scale=1.0):
 
 
 def pool_slots(slot_bytes, used, cold):
-    """Enough slots that the pool is 4x the LLC (cold state, as vLLM's harness and the jnp baseline) when asked."""
+    """Enough slots that the pool is 4x the LLC (cold state, as vLLM's harness and the jnp baseline) when
+    asked, within the memory cap (roofline.COLD_BYTES)."""
     if not cold:
         return max(used, 1)
-    return max(used, int(np.ceil(4 * LLC_BYTES / slot_bytes)))
+    return max(used, int(np.ceil(roofline.COLD_BYTES / slot_bytes)))
 
 
 def _slot_sets(rng, N, rows, shape=None):
@@ -789,6 +790,10 @@ def run_layer(quick, target, baseline_path, no_wait, probe_beside=None):
     if bl is None:
         print(f"(no jnp baseline at {os.path.abspath(baseline_path)}: layer rows without it)", flush=True)
     c = bl.Cfg() if bl else None
+    if bl is not None:  # the baseline's pools within the same memory cap as ours
+        baseline_slots = bl.pool_slots
+        bl.pool_slots = lambda per_iter, slot_bytes, min_bytes=roofline.COLD_BYTES: baseline_slots(
+            per_iter, slot_bytes, min_bytes)
     if bl is not None and no_wait:
         bl.FOREIGN_MAX = float("inf")  # do not wait for quiet and re-measure (a smoke run, a busy machine)
     rows = []
@@ -1022,7 +1027,8 @@ def main(argv=None):
             vllm["harness_error"] = run_info.get("error")
 
     t_run = _RUN_T0[0] = time.perf_counter()  # our timings (vLLM's harness, above, not counted)
-    roof = dict(threads=threads, llc_bytes=roofline.LLC_BYTES, bandwidth_buffer_bytes=8 * roofline.LLC_BYTES,
+    roof = dict(threads=threads, llc_bytes=roofline.LLC_BYTES, bandwidth_buffer_bytes=roofline.PROBE_BYTES,
+                cold_pool_bytes=roofline.COLD_BYTES,
                 **{f"{k}_{x}": [] for k in ROOF_PROBES for x in ("runs", "when", "round_trip_ns")})
 
     def record(key, value, when):

@@ -11,8 +11,9 @@ state), and the mixed step over a 2048-token bucket (a 2040-token prefill and 8 
             recurrence; conv update + spec recurrence; conv + gating + chunk), and their sum;
 * empty:    an empty jitted call (a donated [1] array returned): the fixed cost of one dispatch.
 
-Cold state: the decode and spec pools are 4x the LLC (`roofline.llc_bytes`) and every call takes the next disjoint
-slot set. Prints medians (ms) and the ratios step / kernels and step / (kernels + empty); with
+Cold state: the decode and spec pools are 4x the LLC within a memory cap (`roofline.COLD_BYTES`) and
+every call takes the next disjoint slot set. Prints medians (ms) and the ratios step / kernels and
+step / (kernels + empty); with
 --repeats R, the median over R runs of each median (and of each 10th percentile: on a shared
 host the low percentile is the steadier estimate of a call's own cost), the ratios paired per round
 (a round's calls run within milliseconds of each other, so a slowly drifting load cancels), and
@@ -37,7 +38,6 @@ import roofline
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
 D = 2 * H * K + HV * V
-LLC = roofline.LLC_BYTES
 
 
 def _cfg(num_spec, state_dtype):
@@ -93,7 +93,7 @@ def case(name, rng, with_composed=True):
         T = rows * q
         slot_bytes = HV * K * V * jnp.dtype(sd).itemsize
         per_set = rows * (cfg.spec_cols if num_spec else 1)
-        N = max(per_set * 2, int(np.ceil(4 * LLC / slot_bytes / per_set)) * per_set)
+        N = max(per_set * 2, int(np.ceil(roofline.COLD_BYTES / slot_bytes / per_set)) * per_set)
         sets = []
         for s in range(N // per_set):
             base = s * per_set

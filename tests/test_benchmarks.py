@@ -853,6 +853,25 @@ def test_llc_size_is_read_from_sysfs(tmp_path):
     assert roofline.llc_bytes(sysfs=str(tmp_path / "none")) == 32 << 20  # no sysfs: the default
 
 
+def test_cold_pools_are_4x_the_llc_within_a_memory_cap(tmp_path):
+    """4x (8x) the LLC, but at most factor / 96 of the available memory, never below 64 MiB per unit
+    of factor: a VM reporting its host's 480 MiB L3 on 24 GiB ran out of memory with 4x pools."""
+    roofline = _load("roofline")
+    GiB, MiB = 1 << 30, 1 << 20
+    assert roofline.cold_bytes(32 * MiB, 24 * GiB, 4) == 128 * MiB  # a small LLC: 4x as asked
+    assert roofline.cold_bytes(32 * MiB, 24 * GiB, 8) == 256 * MiB
+    assert roofline.cold_bytes(480 * MiB, 24 * GiB, 4) == 1 * GiB  # 4 / 96 of 24 GiB, not 1920 MiB
+    assert roofline.cold_bytes(480 * MiB, 24 * GiB, 8) == 2 * GiB
+    assert roofline.cold_bytes(480 * MiB, 1 * GiB, 4) == 256 * MiB  # the floor
+    assert roofline.cold_bytes(480 * MiB, None, 4) == 1920 * MiB  # memory unknown: 4x
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemFree:  100 kB\nMemAvailable:   23000000 kB\n")
+    assert roofline.mem_available_bytes(str(meminfo)) == 23000000 << 10
+    assert roofline.mem_available_bytes(str(tmp_path / "none")) is None
+    assert roofline.COLD_BYTES == roofline.cold_bytes(roofline.LLC_BYTES, roofline.MEM_AVAILABLE, 4)
+    assert roofline.PROBE_BYTES == roofline.cold_bytes(roofline.LLC_BYTES, roofline.MEM_AVAILABLE, 8)
+
+
 def test_a_rate_above_its_roofline_is_refused_not_printed():
     """A row faster than its measured roofline means the probe undercounts the machine: the report
     says so (row, target and the Markdown) instead of printing a fraction above 100%."""
