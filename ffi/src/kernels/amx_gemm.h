@@ -119,27 +119,41 @@ inline void amx_tile_block(const bf16* a0, const bf16* a1, const bf16* b0, const
   }
 }
 
+// An A operand split and packed once (amx_pack_a's tiles at `packed`, room for up to 3 parts)
+// for several products: chunk.h prepares q^, k^ and k^T once per chunk and key head (GemmA).
+struct GemmA {
+  const float* A;
+  int64_t rsa, csa;
+  int M, P;
+  const bf16* packed;
+  int mtiles, nd;
+  bool has[3];  // parts present (a part zero over the whole operand is skipped)
+};
+
+// bf16 elements a prepared M x P operand needs (any activation dtype: 3 parts).
+constexpr int64_t gemm_a_elems(int64_t M, int64_t P) {
+  return (M + 31) / 32 * 2 * ((P + 31) / 32) * 3 * kAmxTileElems;
+}
+
+template <int Parts>
+inline GemmA amx_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16* out) {
+  GemmA a{A, rsa, csa, M, P, out, (M + 31) / 32 * 2, P > 0 ? (P + 31) / 32 : 0, {true, false, false}};
+  amx_pack_a<Parts>(M, P, A, rsa, csa, out, a.mtiles, a.nd);
+  for (int t = 1; t < Parts; ++t)
+    for (int mt = 0; mt < a.mtiles && !a.has[t]; ++mt)
+      for (int d = 0; d < a.nd && !a.has[t]; ++d)
+        a.has[t] = split_any_nonzero(out + (int64_t(mt * a.nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
+  return a;
+}
+
+// Cout[j] = (crs ? crs[i] * Cin : 0) + A[j] B for the na prepared operands A[j] (same depth P),
+// each 32-column block of B split and packed once for all of them (at bpack: 2 * nd * Parts
+// tiles).
 template <int Parts, class TO>
-inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
-                     Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
-  if (M <= 0 || N <= 0) return;
-  const int nd = P > 0 ? (P + 31) / 32 : 0;  // depth blocks of 32
-  const int mtiles = (M + 31) / 32 * 2;       // row tiles, padded to pairs
-  const int64_t a_elems = int64_t(mtiles) * nd * Parts * kAmxTileElems;
-  const int64_t b_elems = 2 * int64_t(nd) * Parts * kAmxTileElems;
-  bf16* const apack = split_scratch(a_elems + b_elems);
-  bf16* const bpack = apack + a_elems;
-
-  amx_pack_a<Parts>(M, P, A, rsa, csa, apack, mtiles, nd);
-  bool a_has[Parts];
-  a_has[0] = true;
-  for (int t = 1; t < Parts; ++t) {
-    a_has[t] = false;
-    for (int mt = 0; mt < mtiles && !a_has[t]; ++mt)
-      for (int d = 0; d < nd && !a_has[t]; ++d)
-        a_has[t] = split_any_nonzero(apack + (int64_t(mt * nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
-  }
-
+inline void gemm_amx_run(const GemmA* As, const Mat<TO>* Couts, int na, int N, Mat<const float> B,
+                         Mat<const float> Cin, const float* crs, GemmShape shape, bf16* bpack) {
+  if (N <= 0) return;
+  const int P = As[0].P, nd = As[0].nd;
   const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
   tile_loadconfig(&cfg);
   alignas(64) float stage[32 * 32];
@@ -156,32 +170,36 @@ inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t c
         for (int d = 0; d < nd && !b_has[t]; ++d)
           b_has[t] = split_any_nonzero(bpack + ((int64_t(ct) * nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
     }
-    for (int i0 = 0; i0 < M; i0 += 32) {
-      if (shape == kGemmTriCols && c0 > i0) continue;  // every row i < i0 + 32 <= c0: not needed
-      int np = P;
-      if (shape == kGemmTriDepth && i0 + 32 < np) np = i0 + 32;
-      const int ndi = np > 0 ? (np + 31) / 32 : 0;
-      const int mt = i0 / 16;
-      tile_zero<0>();
-      tile_zero<1>();
-      tile_zero<2>();
-      tile_zero<3>();
-      amx_tile_block<Parts>(apack + int64_t(mt) * nd * Parts * kAmxTileElems,
-                            apack + int64_t(mt + 1) * nd * Parts * kAmxTileElems, bpack,
-                            bpack + int64_t(nd) * Parts * kAmxTileElems, ndi, a_has, b_has);
-      tile_store<0>(stage, 32 * 4);
-      tile_store<1>(stage + 16, 32 * 4);
-      tile_store<2>(stage + 16 * 32, 32 * 4);
-      tile_store<3>(stage + 16 * 32 + 16, 32 * 4);
-      for (int r = 0; r < 32 && i0 + r < M; ++r) {
-        const int i = i0 + r;
-        for (int ct = 0; ct < 2; ++ct) {
-          const int c = c0 + 16 * ct;
-          if (c >= N) continue;
-          if (shape == kGemmTriCols && c > i0 + 16 * (r / 16)) continue;  // block right of the diagonal
-          VF acc = vload(stage + r * 32 + 16 * ct);
-          if (crs != nullptr) acc = vfma(vset1(crs[i]), vload(Cin.p + (cb + ct) * Cin.bs + int64_t(i) * Cin.ld), acc);
-          vstore(Cout.p + (cb + ct) * Cout.bs + int64_t(i) * Cout.ld, acc);
+    for (int j = 0; j < na; ++j) {
+      const GemmA& a = As[j];
+      const Mat<TO>& Cout = Couts[j];
+      for (int i0 = 0; i0 < a.M; i0 += 32) {
+        if (shape == kGemmTriCols && c0 > i0) continue;  // every row i < i0 + 32 <= c0: not needed
+        int np = P;
+        if (shape == kGemmTriDepth && i0 + 32 < np) np = i0 + 32;
+        const int ndi = np > 0 ? (np + 31) / 32 : 0;
+        const int mt = i0 / 16;
+        tile_zero<0>();
+        tile_zero<1>();
+        tile_zero<2>();
+        tile_zero<3>();
+        amx_tile_block<Parts>(a.packed + int64_t(mt) * nd * Parts * kAmxTileElems,
+                              a.packed + int64_t(mt + 1) * nd * Parts * kAmxTileElems, bpack,
+                              bpack + int64_t(nd) * Parts * kAmxTileElems, ndi, a.has, b_has);
+        tile_store<0>(stage, 32 * 4);
+        tile_store<1>(stage + 16, 32 * 4);
+        tile_store<2>(stage + 16 * 32, 32 * 4);
+        tile_store<3>(stage + 16 * 32 + 16, 32 * 4);
+        for (int r = 0; r < 32 && i0 + r < a.M; ++r) {
+          const int i = i0 + r;
+          for (int ct = 0; ct < 2; ++ct) {
+            const int c = c0 + 16 * ct;
+            if (c >= N) continue;
+            if (shape == kGemmTriCols && c > i0 + 16 * (r / 16)) continue;  // block right of the diagonal
+            VF acc = vload(stage + r * 32 + 16 * ct);
+            if (crs != nullptr) acc = vfma(vset1(crs[i]), vload(Cin.p + (cb + ct) * Cin.bs + int64_t(i) * Cin.ld), acc);
+            vstore(Cout.p + (cb + ct) * Cout.bs + int64_t(i) * Cout.ld, acc);
+          }
         }
       }
     }
@@ -189,9 +207,41 @@ inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t c
   tile_release();
 }
 
+template <int Parts>
+inline bf16* amx_b_scratch(int P, int64_t a_elems, bf16** apack) {
+  const int64_t b_elems = 2 * int64_t(P > 0 ? (P + 31) / 32 : 0) * Parts * kAmxTileElems;
+  bf16* const s = split_scratch(a_elems + b_elems);
+  if (apack != nullptr) *apack = s;
+  return s + a_elems;
+}
+
+template <int Parts, class TO>
+inline void gemm_amx(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
+                     Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t a_elems = int64_t((M + 31) / 32 * 2) * (P > 0 ? (P + 31) / 32 : 0) * Parts * kAmxTileElems;
+  bf16* apack = nullptr;
+  bf16* const bpack = amx_b_scratch<Parts>(P, a_elems, &apack);
+  const GemmA a = amx_prepare_a<Parts>(M, P, A, rsa, csa, apack);
+  gemm_amx_run<Parts, TO>(&a, &Cout, 1, N, B, Cin, crs, shape, bpack);
+}
+
 // The precision follows the activation dtype TA (split_parts, kernels/bf16_split.h).
 template <class TO, class TA = float>
 inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, Mat<const float> B,
                  Mat<const float> Cin, const float* crs, Mat<TO> Cout, GemmShape shape) {
   gemm_amx<split_parts<TA>(), TO>(M, N, P, A, rsa, csa, B, Cin, crs, Cout, shape);
+}
+
+// chunk.h's products with prepared operands (see GemmA): the same values as gemm() on them.
+template <class TA>
+inline GemmA gemm_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16* buf) {
+  return amx_prepare_a<split_parts<TA>()>(M, P, A, rsa, csa, buf);
+}
+template <class TO, class TA>
+inline void gemm_prepared(const GemmA* As, const Mat<TO>* Couts, int na, int N, Mat<const float> B,
+                          Mat<const float> Cin, const float* crs, GemmShape shape) {
+  if (na <= 0 || As[0].M <= 0 || N <= 0) return;
+  constexpr int Parts = split_parts<TA>();
+  gemm_amx_run<Parts, TO>(As, Couts, na, N, B, Cin, crs, shape, amx_b_scratch<Parts>(As[0].P, 0, nullptr));
 }

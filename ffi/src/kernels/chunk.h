@@ -223,6 +223,29 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
 }
 #endif
 
+// Operands used by several products of a chunk (q^ and k^ in the raw scores and in Q S0, K S0;
+// k^T in the state update), prepared once per chunk and key head: on AMX (amx_gemm.h) split
+// and packed into tiles once, with each block of a B shared by two A packed once too; here the
+// operand itself, and gemm_prepared is gemm() per operand, in order.
+#if !defined(GDN_AMX)
+struct GemmA {
+  const float* A;
+  int64_t rsa, csa;
+  int M, P;
+};
+constexpr int64_t gemm_a_elems(int64_t, int64_t) { return 0; }
+template <class TA>
+inline GemmA gemm_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16*) {
+  return {A, rsa, csa, M, P};
+}
+template <class TO, class TA>
+inline void gemm_prepared(const GemmA* As, const Mat<TO>* Couts, int na, int N, Mat<const float> B,
+                          Mat<const float> Cin, const float* crs, GemmShape shape) {
+  for (int j = 0; j < na; ++j)
+    gemm<TO, TA>(As[j].M, N, As[j].P, As[j].A, As[j].rsa, As[j].csa, B, Cin, crs, Couts[j], shape);
+}
+#endif
+
 // Whether Q S0 and K S0 may run on bf16 pairs (GemmPairOperands): with bf16 activations on a
 // unit that sets GDN_CHUNK_BF16_STATE, in sequences of kPairsMinTokens or more. They are 59%
 // of the chunk's flops at C = 32. S0's rounding adds ~1.6e-3 to outputs that come mostly from the
@@ -273,6 +296,7 @@ struct ChunkBufs {
   float *rq, *rk; // [C] the row scales
   float* egq;     // [C] e^Gc rq (row scale of X_Q in O)
   bool pairs;     // Q S0 and K S0 on bf16 pairs (the buffers above are set)
+  bf16 *Qp, *Kp, *KTp;  // q^, k^ and k^T prepared (GemmA; gemm_a_elems, null where 0)
   int64_t total;
 
   ChunkBufs(float* base, int64_t K, int64_t V, int64_t gsz, bool bf16_products) {
@@ -310,6 +334,12 @@ struct ChunkBufs {
       rk = take(C);
       egq = take(C);
     }
+    Qp = Kp = KTp = nullptr;
+    if (gemm_a_elems(C, K) > 0) {  // two bf16 per float
+      Qp = reinterpret_cast<bf16*>(take(gemm_a_elems(C, K) / 2));
+      Kp = reinterpret_cast<bf16*>(take(gemm_a_elems(C, K) / 2));
+      KTp = reinterpret_cast<bf16*>(take(gemm_a_elems(K, C) / 2));
+    }
     total = off;
   }
 };
@@ -330,7 +360,7 @@ struct ChunkRows {
 // computes.
 template <int C, class TA>
 inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> rows, int n, ChunkRows<TA> next,
-                       int n_next, const TA* o_next, int64_t gsz) {
+                       int n_next, const TA* o_next, int64_t gsz, GemmA* ga) {
   const int64_t HV = p.HV, K = p.K, V = p.V;
   const int Ki = int(K);
   const int npad = (n + kLanes - 1) / kLanes * kLanes;
@@ -390,18 +420,22 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
       for (int l = n % kLanes; l < kLanes; ++l) kt[c * kLanes + l] = 0.f;
   }
 
-  // Raw scores, only the column blocks on or left of the diagonal (P, A need j <= i).
-  const Mat<const float> kt = panels<const float>(b.KcT, K);
-  gemm<float, TA>(n, npad, Ki, b.Qc, K, 1, kt, {}, nullptr, row_major(b.SQ, C), kGemmTriCols);
-  gemm<float, TA>(n, npad, Ki, b.Kc, K, 1, kt, {}, nullptr, row_major(b.SK, C), kGemmTriCols);
+  // q^, k^ (n x K) and k^T (K x n) as the products below and chunk_head's take them.
+  ga[0] = gemm_prepare_a<TA>(n, Ki, b.Qc, K, 1, b.Qp);
+  ga[1] = gemm_prepare_a<TA>(n, Ki, b.Kc, K, 1, b.Kp);
+  ga[2] = gemm_prepare_a<TA>(Ki, n, b.Kc, 1, K, b.KTp);
+
+  // Raw scores Q K^T, K K^T, only the column blocks on or left of the diagonal (P, A need j <= i).
+  const Mat<float> scores[2] = {row_major(b.SQ, C), row_major(b.SK, C)};
+  gemm_prepared<float, TA>(ga, scores, 2, npad, panels<const float>(b.KcT, K), {}, nullptr, kGemmTriCols);
 }
 
 // One chunk of tokens [t0, t0 + n) for value head h (after chunk_prep), its v rows at v, v_ld
 // apart; S holds the head's state before the chunk as panels (ignored and overwritten when
 // zero_state) and the state after it on return.
 template <int C, class TA>
-inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int64_t t0, int n, int64_t h,
-                       const TA* v, int64_t v_ld, bool zero_state) {
+inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, const GemmA* ga, float* S, int64_t t0, int n,
+                       int64_t h, const TA* v, int64_t v_ld, bool zero_state) {
   const int64_t HV = p.HV, K = p.K, V = p.V;
   const int Ki = int(K), Vi = int(V);
   TA* o = static_cast<TA*>(p.o);
@@ -509,8 +543,8 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
     } else
 #endif
     {
-      gemm<float, TA>(n, Vi, Ki, b.Qc, K, 1, Sm, {}, nullptr, xq, kGemmFull);
-      gemm<float, TA>(n, Vi, Ki, b.Kc, K, 1, Sm, {}, nullptr, xk, kGemmFull);
+      const Mat<float> x[2] = {xq, xk};
+      gemm_prepared<float, TA>(ga, x, 2, Vi, Sm, {}, nullptr, kGemmFull);
     }
   }
 
@@ -545,8 +579,9 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, float* S, int6
       vstore(r, vload(r) * d);
     }
   }
-  gemm<float, TA>(Ki, Vi, n, b.Kc, 1, K, {b.Vn, kLanes, kLanes * C}, Sm, zero_state ? nullptr : b.decay,
-                  panels(S, K), kGemmFull);
+  const Mat<float> s_out = panels(S, K);
+  gemm_prepared<float, TA>(ga + 2, &s_out, 1, Vi, {b.Vn, kLanes, kLanes * C}, Sm, zero_state ? nullptr : b.decay,
+                           kGemmFull);
 }
 
 // Value heads per work item: a group of gsz heads of one key head shares q^, k^ and the
@@ -640,9 +675,10 @@ void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t s, int3
                       yb + pieces[i].col, yld);
       rows = {yb, yb + K, yb + 2 * K, yld, yld};
     }
-    chunk_prep<C, TA>(p, b, rows, n, src.at(tn), int(rest < C ? rest : C), o + (tn * HV + h0) * V, gsz);
+    GemmA ga[3];
+    chunk_prep<C, TA>(p, b, rows, n, src.at(tn), int(rest < C ? rest : C), o + (tn * HV + h0) * V, gsz, ga);
     for (int64_t j = 0; j < gsz; ++j)
-      chunk_head<C, TA>(p, b, b.S + j * K * V, t0, n, h0 + j, rows.v + j * V, rows.v_ld, zero_state);
+      chunk_head<C, TA>(p, b, ga, b.S + j * K * V, t0, n, h0 + j, rows.v + j * V, rows.v_ld, zero_state);
     zero_state = false;
   }
   for (int64_t j = 0; j < gsz; ++j) {
