@@ -12,8 +12,9 @@
 //
 // Blocking: 2 x 2 tiles of C (32 x 32 f32) in tmm0..3, two A tiles (tmm4, 5: 16 rows x 32
 // bf16 of depth) and two B tiles (tmm6, 7: 16 VNNI rows of 16 column pairs); every tile is
-// configured 16 rows x 64 bytes once per call. A is packed once per call into 1 KiB tiles
-// (row tile, depth block of 32, part); B one 32-column block at a time (VNNI: tile row k
+// configured 16 rows x 64 bytes once per call. A is packed into 1 KiB tiles (row tile, depth
+// block of 32, part), once per call or once for several calls (GemmA, gemm_prepared: one B
+// block packed for up to two A); B one 32-column block at a time (VNNI: tile row k
 // holds B(2k, c) and B(2k+1, c) side by side for the 16 columns c). Tails are zero-padded
 // in the packed copies (rows past M, depth past P, a missing second column tile), and C
 // goes through a 32 x 32 staging block, so only rows < M and columns < N are written.
@@ -122,8 +123,6 @@ inline void amx_tile_block(const bf16* a0, const bf16* a1, const bf16* b0, const
 // An A operand split and packed once (amx_pack_a's tiles at `packed`, room for up to 3 parts)
 // for several products: chunk.h prepares q^, k^ and k^T once per chunk and key head (GemmA).
 struct GemmA {
-  const float* A;
-  int64_t rsa, csa;
   int M, P;
   const bf16* packed;
   int mtiles, nd;
@@ -137,7 +136,7 @@ constexpr int64_t gemm_a_elems(int64_t M, int64_t P) {
 
 template <int Parts>
 inline GemmA amx_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16* out) {
-  GemmA a{A, rsa, csa, M, P, out, (M + 31) / 32 * 2, P > 0 ? (P + 31) / 32 : 0, {true, false, false}};
+  GemmA a{M, P, out, (M + 31) / 32 * 2, P > 0 ? (P + 31) / 32 : 0, {true, false, false}};
   amx_pack_a<Parts>(M, P, A, rsa, csa, out, a.mtiles, a.nd);
   for (int t = 1; t < Parts; ++t)
     for (int mt = 0; mt < a.mtiles && !a.has[t]; ++mt)
