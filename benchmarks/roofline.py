@@ -100,8 +100,8 @@ def _probe_call(mode):
 def bandwidth_gbs(kind, nbytes=PROBE_BYTES, reps=7):
     """GB/s (bytes read + written) of the fastest of `reps` probe calls (a ceiling: no call can beat
     the machine, and on a shared host the slower ones are others' load) of `kind` (rmw, read, copy, spec)
-    over a buffer of nbytes (default 8x the LLC within the memory cap, so no pass finds its data in cache), after two untimed
-    calls that fault the pages in. A copy's stores count once: its read-for-ownership is not counted,
+    over a buffer of nbytes (default 8x the LLC within the memory cap, PROBE_BYTES, so no pass finds its
+    data in cache), after two untimed calls that fault the pages in. A copy's stores count once: its read-for-ownership is not counted,
     as no kernel's bytes count one."""
     mode, per_byte = BANDWIDTH_MODES[kind]
     unit = PIECE * (SPEC_GROUP if kind == "spec" else 1)

@@ -13,11 +13,10 @@ state), and the mixed step over a 2048-token bucket (a 2040-token prefill and 8 
 
 Cold state: the decode and spec pools are 4x the LLC within a memory cap (`roofline.COLD_BYTES`) and
 every call takes the next disjoint slot set. Prints medians (ms) and the ratios step / kernels and
-step / (kernels + empty); with
---repeats R, the median over R runs of each median (and of each 10th percentile: on a shared
-host the low percentile is the steadier estimate of a call's own cost), the ratios paired per round
-(a round's calls run within milliseconds of each other, so a slowly drifting load cancels), and
-the same for the process CPU time of each call (all threads; not inflated by waiting for a core).
+step / (kernels + empty); with --repeats R, the median over R runs of each median (and of each 10th
+percentile: on a shared host the low percentile is the steadier estimate of a call's own cost), the
+ratios paired per round (a round's calls run within milliseconds of each other, so a slowly drifting
+load cancels), and the same for the process CPU time of each call (all threads; not inflated by waiting for a core).
 
     PYTHONPATH=. python benchmarks/step_overhead.py [--cases decode_b1,prefill_2048] [--repeats 3]
 """

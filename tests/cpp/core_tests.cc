@@ -1521,8 +1521,6 @@ static bool isa_selected_for_tests(const std::string& isa) {
   return list.find("," + isa + ",") != std::string::npos;
 }
 
-// WorkBlocks (the parallel-for's range sharing): a worker alone runs its block in order, then
-// the others' from their backs; workers on threads claim every range exactly once.
 // Every Parallel range runs with denormals flushed (gdn/flush_denormals.h), serial or on
 // threads that inherited a caller's IEEE setting, and the caller gets its own setting back.
 #if defined(__x86_64__)
@@ -1570,6 +1568,8 @@ void test_flush_denormals() {
 #endif
 }
 
+// WorkBlocks (the parallel-for's range sharing): a worker alone runs its block in order, then
+// the others' from their backs; workers on threads claim every range exactly once.
 void test_work_blocks() {
   {
     WorkBlocks blocks(10, 3);  // blocks [0, 3), [3, 6), [6, 10)
