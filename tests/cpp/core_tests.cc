@@ -1523,15 +1523,13 @@ static bool isa_selected_for_tests(const std::string& isa) {
 
 // Every Parallel range runs with denormals flushed (gdn/flush_denormals.h), serial or on
 // threads that inherited a caller's IEEE setting, and the caller gets its own setting back.
+using FpControl = FlushDenormals::Word;
 #if defined(__x86_64__)
-using FpControl = unsigned;
-FpControl fp_control() { return __builtin_ia32_stmxcsr() & ~0x3fu; }  // less the sticky exception flags
-void set_fp_control(FpControl c) { __builtin_ia32_ldmxcsr(c); }
-#elif defined(__aarch64__)
-using FpControl = unsigned long long;
-FpControl fp_control() { return __builtin_aarch64_get_fpcr64(); }
-void set_fp_control(FpControl c) { __builtin_aarch64_set_fpcr64(c); }
+constexpr FpControl kFpStatusBits = 0x3f;  // MXCSR's sticky exception flags: not the setting
+#else
+constexpr FpControl kFpStatusBits = 0;
 #endif
+FpControl fp_control() { return FlushDenormals::control() & ~kFpStatusBits; }
 
 float denormal_product() {  // 2^-70 * 2^-70 = 2^-140: a denormal, 0 when flushed
   volatile float a = 0x1p-70f, b = 0x1p-70f;
@@ -1542,7 +1540,7 @@ void test_flush_denormals() {
 #if defined(__x86_64__) || defined(__aarch64__)
   const FpControl saved = fp_control();
   for (const bool caller_flushes : {false, true}) {
-    set_fp_control(caller_flushes ? saved | FlushDenormals::kBits : saved & ~FlushDenormals::kBits);
+    FlushDenormals::set_control(caller_flushes ? saved | FlushDenormals::kBits : saved & ~FlushDenormals::kBits);
     const FpControl before = fp_control();
     for (const int threads : {1, 3}) {
       ThreadedParallel tp{threads};
@@ -1562,7 +1560,7 @@ void test_flush_denormals() {
                  (denormal_product() == 0.f) == caller_flushes);
     }
   }
-  set_fp_control(saved);
+  FlushDenormals::set_control(saved);
 #else
   check_true("flush denormals: no control on this target", !FlushDenormals::active());
 #endif
