@@ -16,8 +16,9 @@
 // block of 32, part), once per call or once for several calls (GemmA, gemm_prepared: one B
 // block packed for up to two A); B one 32-column block at a time (VNNI: tile row k
 // holds B(2k, c) and B(2k+1, c) side by side for the 16 columns c). Tails are zero-padded
-// in the packed copies (rows past M, depth past P, a missing second column tile), and C
-// goes through a 32 x 32 staging block, so only rows < M and columns < N are written.
+// in the packed copies (rows past M, depth past P, a missing second column tile); C tiles
+// are stored in place when f32 without a C term and whole in M, else through a 32 x 32
+// staging block, so only rows < M and columns < N are written.
 
 #include "kernels/bf16_split.h"  // SplitPairs, split16, split_scratch, split_parts
 
@@ -66,26 +67,26 @@ inline void amx_pack_a(int M, int P, const float* A, int64_t rsa, int64_t csa, b
 // One 16-column tile of B (the panel at `panel`, row stride ld) in VNNI form: tile (d, t) at
 // out + (d * Parts + t) * 512, row k = [B(d*32+2k, c), B(d*32+2k+1, c)] for c = 0..15, i.e.
 // the 32-bit word c of row k holds depth 2k in its low half and 2k + 1 in its high half.
-// Depth >= P, or a column tile past N (present == false), is zero.
+// Depth >= P, or a column tile past N (present == false), is zero. A row is vstore_pairs of
+// the two depth rows (on AVX-512 one two-source conversion and one word permute; narrowing
+// each row and interleaving words after was ~10% of the AMX chunk), and the next part's
+// residual is taken from the row just stored (the same bits as split16 on each depth row).
 template <int Parts>
 inline void amx_pack_b(int P, const float* panel, int64_t ld, bool present, bf16* out, int nd) {
   for (int d = 0; d < nd; ++d)
     for (int k = 0; k < 16; ++k) {
       const int p0 = d * 32 + 2 * k;
-      const VF x0 = present && p0 < P ? vload(panel + int64_t(p0) * ld) : vzero();
-      const VF x1 = present && p0 + 1 < P ? vload(panel + int64_t(p0 + 1) * ld) : vzero();
-      alignas(64) bf16 e[Parts][16], o[Parts][16];
-      bf16 *de[Parts], *dov[Parts];
+      VF x[2] = {present && p0 < P ? vload(panel + int64_t(p0) * ld) : vzero(),
+                 present && p0 + 1 < P ? vload(panel + int64_t(p0 + 1) * ld) : vzero()};
       for (int t = 0; t < Parts; ++t) {
-        de[t] = e[t];
-        dov[t] = o[t];
-      }
-      split16<Parts>(x0, de);
-      split16<Parts>(x1, dov);
-      for (int t = 0; t < Parts; ++t) {
-        uint32_t w[16];  // word arithmetic so that the compiler vectorises the interleave
-        for (int c = 0; c < 16; ++c) w[c] = uint32_t(e[t][c].bits) | (uint32_t(o[t][c].bits) << 16);
-        std::memcpy(out + (int64_t(d) * Parts + t) * kAmxTileElems + k * 32, w, sizeof w);
+        bf16* row = out + (int64_t(d) * Parts + t) * kAmxTileElems + k * 32;
+        vstore_pairs(row, x);
+        if (t + 1 < Parts) {
+          VF e, o;
+          vload_pair_split(row, &e, &o);
+          x[0] = x[0] - e;
+          x[1] = x[1] - o;
+        }
       }
     }
 }
@@ -185,6 +186,20 @@ inline void gemm_amx_run(const GemmA* As, const Mat<TO>* Couts, int na, int N, M
         amx_tile_block<Parts>(a.packed + int64_t(mt) * nd * Parts * kAmxTileElems,
                               a.packed + int64_t(mt + 1) * nd * Parts * kAmxTileElems, bpack,
                               bpack + int64_t(nd) * Parts * kAmxTileElems, ndi, a.has, b_has);
+        // C goes through the staging block where it needs a conversion, the C term or row
+        // clipping; an f32 result without them is stored from the tiles in place.
+        if constexpr (std::is_same<TO, float>::value) {
+          if (crs == nullptr && i0 + 32 <= a.M) {
+            float* const c00 = Cout.p + cb * Cout.bs + int64_t(i0) * Cout.ld;
+            float* const c10 = c00 + 16 * Cout.ld;
+            const int64_t stride = Cout.ld * int64_t(sizeof(float));
+            tile_store<0>(c00, stride);
+            if (has1 && !(shape == kGemmTriCols && c0 + 16 > i0)) tile_store<1>(c00 + Cout.bs, stride);
+            tile_store<2>(c10, stride);
+            if (has1) tile_store<3>(c10 + Cout.bs, stride);
+            continue;
+          }
+        }
         tile_store<0>(stage, 32 * 4);
         tile_store<1>(stage + 16, 32 * 4);
         tile_store<2>(stage + 16 * 32, 32 * 4);

@@ -67,6 +67,17 @@ inline void vstore_n(T* p, VF x, int n) {
   vstore(t, x);
   for (int i = 0; i < n; ++i) store1(p + i, t[i]);
 }
+// vstore_pairs' interleave (vec_avx512.h): element 2j from even lane j, 2j + 1 from odd lane j,
+// each rounded as vstore. No kernel here keeps the pair order; AMX's model packs VNNI rows with it.
+inline void vstore_pairs(bf16* p, const VF* x) {
+  bf16 e[kLanes], o[kLanes];
+  vstore(e, x[0]);
+  vstore(o, x[1]);
+  for (int j = 0; j < kLanes; ++j) {
+    p[2 * j] = e[j];
+    p[2 * j + 1] = o[j];
+  }
+}
 
 #define GDN_VF_BINOP(op) \
   inline VF operator op(VF a, VF b) { GDN_VF_MAP(a.q[j] op b.q[j]); }
