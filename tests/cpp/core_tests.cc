@@ -1458,6 +1458,8 @@ void test_split_gemm(const std::string& name, SplitGemmFn gemm, std::mt19937& rn
       {3, 16, 0, 0, 0, true, false, false},       // depth 0: Cout = crs Cin
       {13, 16, 7, 1, 2, true, false, false},      // transposed, triangular depth, depth tail
       {9, 80, 3, 2, 1, true, false, false},       // strided, triangular columns past the rows
+      {64, 80, 40, 0, 1, false, false, false},    // tiles stored in place: triangular, no 2nd column tile
+      {96, 48, 33, 0, 0, false, false, false},    // tiles stored in place: no 2nd column tile, depth tail
   };
   for (const GemmCase& g : cases) {
     char tag[96];

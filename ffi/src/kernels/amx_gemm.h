@@ -25,8 +25,9 @@
 constexpr int kAmxTileElems = 512;  // bf16 per 16 x 64-byte tile
 
 // Tile (row tile mt, depth block d, part t) of packed A: A(mt * 16 + r, d * 32 + j) at
-// [r * 32 + j]. Rows >= M and depth >= P are zero.
-template <int Parts>
+// [r * 32 + j]. Rows >= M and depth >= P are zero. Only parts t < Stored are written (an
+// operand exact in bf16 has one).
+template <int Parts, int Stored = Parts>
 inline void amx_pack_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16* out, int mtiles, int nd) {
   for (int mt = 0; mt < mtiles; ++mt)
     for (int d = 0; d < nd; ++d) {
@@ -55,10 +56,10 @@ inline void amx_pack_a(int M, int P, const float* A, int64_t rsa, int64_t csa, b
           VF x;
           if (csa != 1) x = vload(&blk[h][r * 16]);
           else x = i < M ? split_load_n(A + int64_t(i) * rsa + p0 + h * 16, P - p0 - h * 16) : vzero();
-          bf16* dst[Parts];
-          for (int t = 0; t < Parts; ++t)
+          bf16* dst[Stored];
+          for (int t = 0; t < Stored; ++t)
             dst[t] = out + (int64_t(mt * nd + d) * Parts + t) * kAmxTileElems + r * 32 + h * 16;
-          split16<Parts>(x, dst);
+          split16<Stored>(x, dst);
         }
       }
     }
@@ -135,11 +136,12 @@ constexpr int64_t gemm_a_elems(int64_t M, int64_t P) {
   return (M + 31) / 32 * 2 * ((P + 31) / 32) * 3 * kAmxTileElems;
 }
 
-template <int Parts>
+// kExact: the caller knows A is exact in bf16 (its low parts zero): only part 0 is packed.
+template <int Parts, bool kExact = false>
 inline GemmA amx_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16* out) {
   GemmA a{M, P, out, (M + 31) / 32 * 2, P > 0 ? (P + 31) / 32 : 0, {true, false, false}};
-  amx_pack_a<Parts>(M, P, A, rsa, csa, out, a.mtiles, a.nd);
-  for (int t = 1; t < Parts; ++t)
+  amx_pack_a<Parts, kExact ? 1 : Parts>(M, P, A, rsa, csa, out, a.mtiles, a.nd);
+  for (int t = 1; t < Parts && !kExact; ++t)
     for (int mt = 0; mt < a.mtiles && !a.has[t]; ++mt)
       for (int d = 0; d < a.nd && !a.has[t]; ++d)
         a.has[t] = split_any_nonzero(out + (int64_t(mt * a.nd + d) * Parts + t) * kAmxTileElems, kAmxTileElems);
@@ -248,9 +250,9 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
 }
 
 // chunk.h's products with prepared operands (see GemmA): the same values as gemm() on them.
-template <class TA>
+template <class TA, bool kExact = false>
 inline GemmA gemm_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16* buf) {
-  return amx_prepare_a<split_parts<TA>()>(M, P, A, rsa, csa, buf);
+  return amx_prepare_a<split_parts<TA>(), kExact>(M, P, A, rsa, csa, buf);
 }
 template <class TO, class TA>
 inline void gemm_prepared(const GemmA* As, const Mat<TO>* Couts, int na, int N, Mat<const float> B,

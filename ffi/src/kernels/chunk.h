@@ -225,8 +225,9 @@ inline void gemm(int M, int N, int P, const float* A, int64_t rsa, int64_t csa, 
 
 // Operands used by several products of a chunk (q^ and k^ in the raw scores and in Q S0, K S0;
 // k^T in the state update), prepared once per chunk and key head: on AMX (amx_gemm.h) split
-// and packed into tiles once, with each block of a B shared by two A packed once too; here the
-// operand itself, and gemm_prepared is gemm() per operand, in order.
+// and packed into tiles once, with each block of a B shared by two A packed once too (kExact:
+// the operand is exact in bf16, one part packed); here the operand itself, and gemm_prepared is
+// gemm() per operand, in order.
 #if !defined(GDN_AMX)
 struct GemmA {
   const float* A;
@@ -234,7 +235,7 @@ struct GemmA {
   int M, P;
 };
 constexpr int64_t gemm_a_elems(int64_t, int64_t) { return 0; }
-template <class TA>
+template <class TA, bool kExact = false>
 inline GemmA gemm_prepare_a(int M, int P, const float* A, int64_t rsa, int64_t csa, bf16*) {
   return {A, rsa, csa, M, P};
 }
@@ -262,6 +263,21 @@ constexpr bool bf16_state_products() {
 #endif
 }
 
+// Whether q and k enter the products as they came, their factors (q^ = rq q, k^ = rk k: the
+// l2norm and the scale) applied to the products' rows and columns after: with bf16
+// activations where gemm() splits f32 operands into bf16 parts (AMX, Armv8.6 BF16). Exact in
+// one part, they drop the part products of their second (the GEMMs skip a part that is zero
+// over an operand): the scores take one product instead of three, Q S0, K S0 and the state
+// update two instead of three, and each loses the rounding of q^ and k^ to their parts.
+template <class TA>
+constexpr bool raw_qk_operands() {
+#if defined(GDN_AMX) || defined(GDN_ARM_BF16)
+  return std::is_same<TA, bf16>::value;
+#else
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // chunked prefill
 // ---------------------------------------------------------------------------------------
@@ -278,8 +294,8 @@ inline float* chunk_scratch(int64_t floats) { return thread_scratch<float, 0>(fl
 template <int C>
 struct ChunkBufs {
   float* S;        // gsz x [K][V] as V/16 panels of K rows: the f32 working states
-  float *Qc, *Kc;  // [C][K] row-major: q^ (scale folded in) and k^ of the chunk
-  float* KcT;      // [K][C] as C/16 panels of K rows: k^ transposed, columns >= n zero
+  float *Qc, *Kc;  // [C][K] row-major: q^ (scale folded in) and k^ of the chunk (q, k: raw)
+  float* KcT;      // [K][C] as C/16 panels of K rows: Kc transposed, columns >= n zero
   float *SQ, *SK;  // [C][C] raw scores Q K^T, K K^T (shared by the group)
   float *P, *A;    // [C][C] lower_incl(Q K^T o Gamma), strict_lower(diag(beta) K K^T o Gamma)
   float* Tm;       // [C][C] (I + A)^-1
@@ -293,13 +309,15 @@ struct ChunkBufs {
   // in bf16), their rows' scales (q^ = rq q, k^ = rk k) applied to the products' rows after.
   bf16 *Qb, *Kb;  // [C][K]: q, k (A: pairs along K)
   bf16* Sb;       // S0 of one head as pair panels (B)
-  float *rq, *rk; // [C] the row scales
+  bool pairs;     // Q S0 and K S0 on bf16 pairs (Qb, Kb, Sb are set)
+  bool raw;       // Qc, Kc, KcT hold q and k as they came (raw_qk_operands)
+  // With pairs or raw (else null): q^ = rq q, k^ = rk k, applied to the products after.
+  float *rq, *rk; // [C] the factors (rk zero past the chunk's tokens)
   float* egq;     // [C] e^Gc rq (row scale of X_Q in O)
-  bool pairs;     // Q S0 and K S0 on bf16 pairs (the buffers above are set)
   bf16 *Qp, *Kp, *KTp;  // q^, k^ and k^T prepared (GemmA; gemm_a_elems, null where 0)
   int64_t total;
 
-  ChunkBufs(float* base, int64_t K, int64_t V, int64_t gsz, bool bf16_products) {
+  ChunkBufs(float* base, int64_t K, int64_t V, int64_t gsz, bool bf16_products, bool raw_qk) {
     int64_t off = 0;
     auto take = [&](int64_t n) {
       float* p = base == nullptr ? nullptr : base + off;
@@ -326,10 +344,13 @@ struct ChunkBufs {
     Qb = Kb = Sb = nullptr;
     rq = rk = egq = nullptr;
     pairs = bf16_products;
+    raw = raw_qk;
     if (bf16_products) {  // two bf16 per float
       Qb = reinterpret_cast<bf16*>(take(C * K / 2));
       Kb = reinterpret_cast<bf16*>(take(C * K / 2));
       Sb = reinterpret_cast<bf16*>(take(K * V / 2));
+    }
+    if (bf16_products || raw_qk) {
       rq = take(C);
       rk = take(C);
       egq = take(C);
@@ -397,12 +418,19 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
     float* qc = b.Qc + i * K;
     float* kc = b.Kc + i * K;
     for (int c = 0; c < Ki; c += kLanes) {
-      vstore(qc + c, vload(qr + c) * vset1(rq));
-      vstore(kc + c, vload(kr + c) * vset1(rk));
+      if (raw_qk_operands<TA>()) {
+        vstore(qc + c, vload(qr + c));
+        vstore(kc + c, vload(kr + c));
+      } else {
+        vstore(qc + c, vload(qr + c) * vset1(rq));
+        vstore(kc + c, vload(kr + c) * vset1(rk));
+      }
     }
     if (bf16_state_products<TA>() && b.pairs) {
       std::memcpy(b.Qb + i * K, qr, size_t(K) * sizeof(TA));
       std::memcpy(b.Kb + i * K, kr, size_t(K) * sizeof(TA));
+    }
+    if (b.rq != nullptr) {
       b.rq[i] = rq;
       b.rk[i] = rk;
     }
@@ -410,6 +438,8 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
     float* kt = b.KcT + (i / kLanes) * K * kLanes + i % kLanes;  // panel i / 16, lane i % 16
     for (int c = 0; c < Ki; ++c) kt[c * kLanes] = kc[c];
   }
+  if (b.rk != nullptr)
+    for (int i = n; i < npad; ++i) b.rk[i] = 0.f;  // the scores' column factors past the tokens
   // k^T of whole panels in blocks (one scalar store per element and token cost ~1% of the
   // prefill step on Zen 5: ffi/README.md, "The prefill step on Zen 5").
   for (int p0 = 0; p0 < nfull; p0 += kLanes)
@@ -420,12 +450,15 @@ inline void chunk_prep(const ChunkArgs& p, const ChunkBufs<C>& b, ChunkRows<TA> 
       for (int l = n % kLanes; l < kLanes; ++l) kt[c * kLanes + l] = 0.f;
   }
 
-  // q^, k^ (n x K) and k^T (K x n) as the products below and chunk_head's take them.
-  ga[0] = gemm_prepare_a<TA>(n, Ki, b.Qc, K, 1, b.Qp);
-  ga[1] = gemm_prepare_a<TA>(n, Ki, b.Kc, K, 1, b.Kp);
-  ga[2] = gemm_prepare_a<TA>(Ki, n, b.Kc, 1, K, b.KTp);
+  // q^, k^ (n x K) and k^T (K x n) as the products below and chunk_head's take them (q, k and
+  // k^T where raw_qk_operands).
+  constexpr bool exact = raw_qk_operands<TA>();  // q, k exact in bf16: one part packed
+  ga[0] = gemm_prepare_a<TA, exact>(n, Ki, b.Qc, K, 1, b.Qp);
+  ga[1] = gemm_prepare_a<TA, exact>(n, Ki, b.Kc, K, 1, b.Kp);
+  ga[2] = gemm_prepare_a<TA, exact>(Ki, n, b.Kc, 1, K, b.KTp);
 
-  // Raw scores Q K^T, K K^T, only the column blocks on or left of the diagonal (P, A need j <= i).
+  // Raw scores Q K^T, K K^T, only the column blocks on or left of the diagonal (P, A need j <= i);
+  // q k^T, k k^T where raw_qk_operands (rq_i rk_j, rk_i rk_j applied in chunk_head).
   const Mat<float> scores[2] = {row_major(b.SQ, C), row_major(b.SK, C)};
   gemm_prepared<float, TA>(ga, scores, 2, npad, panels<const float>(b.KcT, K), {}, nullptr, kGemmTriCols);
 }
@@ -477,23 +510,29 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, const GemmA* g
   for (int i = n; i < npad; ++i) gh[i] = gl[i] = 0.f;
   static_assert(kLanes == 16, "kLaneOnes below and vtranspose16 in chunk_prep spell out 16 lanes");
   static constexpr float kLaneOnes[kLanes] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  // raw_qk_operands: the scores are q k^T and k k^T; P takes rq_i rk_j, A rk_i rk_j (rk is zero
+  // past the tokens, where Gamma is too).
+  constexpr bool raw = raw_qk_operands<TA>();
   for (int i = 0; i < n; ++i) {
     const float* sq = b.SQ + i * C;
     const float* sk = b.SK + i * C;
     float* pr = b.P + i * C;
     float* ar = b.A + i * C;
     const int nb = i / kLanes + 1;
-    const VF bi = vset1(beta[i]), hi = vset1(gh[i]), lo = vset1(gl[i]);
+    const VF bi = vset1(raw ? beta[i] * b.rk[i] : beta[i]), hi = vset1(gh[i]), lo = vset1(gl[i]);
+    const VF qi = vset1(raw ? b.rq[i] : 1.f);
     for (int c = 0; c < npad; c += kLanes) {
-      if (c / kLanes < nb - 1) {
-        const VF gm = vexp((hi - vload(gh + c)) + (lo - vload(gl + c)));
-        vstore(pr + c, vload(sq + c) * gm);
-        vstore(ar + c, vload(sk + c) * gm * bi);
-      } else if (c / kLanes == nb - 1) {
-        const VF keep = vload_n(kLaneOnes, i - c + 1);  // 1 for j <= i, else 0
-        const VF diff = (hi - vload(gh + c)) + (lo - vload(gl + c));
-        const VF gm = vexp(vfma(diff, keep, (keep - vset1(1.f)) * vset1(1000.f)));
-        vstore(pr + c, vload(sq + c) * gm);
+      if (c / kLanes < nb) {
+        VF gm;
+        if (c / kLanes < nb - 1) {
+          gm = vexp((hi - vload(gh + c)) + (lo - vload(gl + c)));
+        } else {
+          const VF keep = vload_n(kLaneOnes, i - c + 1);  // 1 for j <= i, else 0
+          const VF diff = (hi - vload(gh + c)) + (lo - vload(gl + c));
+          gm = vexp(vfma(diff, keep, (keep - vset1(1.f)) * vset1(1000.f)));
+        }
+        if (raw) gm = gm * vload(b.rk + c);
+        vstore(pr + c, raw ? vload(sq + c) * gm * qi : vload(sq + c) * gm);
         vstore(ar + c, vload(sk + c) * gm * bi);
       } else {
         vstore(pr + c, vzero());
@@ -549,17 +588,18 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, const GemmA* g
   }
 
   // R = diag(beta) (V - diag(e^Gc) K S0), in place of K S0; then V_new = T R. On bf16 pairs
-  // the products' rows still lack rk and rq: folded into their row scales here and in O.
-  const bool pairs = bf16_state_products<TA>() && b.pairs;
+  // or raw operands the products' rows still lack rk and rq: folded into their row scales
+  // here and in O.
+  const bool unscaled = raw || (bf16_state_products<TA>() && b.pairs);
   const float* eg_o = b.eg;
-  if (pairs) {
+  if (unscaled) {
     for (int i = 0; i < n; ++i) b.egq[i] = b.eg[i] * b.rq[i];
     eg_o = b.egq;
   }
   for (int i = 0; i < n; ++i) {
     const TA* vr = v + i * v_ld;
     const VF bi = vset1(beta[i]);
-    const VF ei = vset1(pairs ? b.eg[i] * b.rk[i] : b.eg[i]);
+    const VF ei = vset1(unscaled ? b.eg[i] * b.rk[i] : b.eg[i]);
     for (int c = 0; c < Vi; c += kLanes) {
       float* r = b.XK + c * C + i * kLanes;  // panel c / 16, row i
       vstore(r, zero_state ? bi * vload(vr + c) : bi * (vload(vr + c) - ei * vload(r)));
@@ -571,9 +611,10 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, const GemmA* g
   gemm<TA, TA>(n, Vi, n, b.P, C, 1, {b.Vn, kLanes, kLanes * C}, {b.XQ, kLanes, kLanes * C},
                zero_state ? nullptr : eg_o, row_major(o + (t0 * HV + h) * V, HV * V), kGemmTriDepth);
 
-  // S = e^G_last S0 + K^T diag(e^(G_last - Gc)) V_new (the A operand K^T is read from Kc).
+  // S = e^G_last S0 + K^T diag(e^(G_last - Gc)) V_new (the A operand K^T is read from Kc; with
+  // raw operands k^T, rk in V_new's row scale).
   for (int i = 0; i < n; ++i) {
-    const VF d = vset1(b.dg[i]);
+    const VF d = vset1(raw ? b.dg[i] * b.rk[i] : b.dg[i]);
     for (int c = 0; c < Vi; c += kLanes) {
       float* r = b.Vn + c * C + i * kLanes;
       vstore(r, vload(r) * d);
@@ -635,7 +676,8 @@ void chunk_item(const ChunkArgs& p, float* scratch, int64_t gsz, int64_t s, int3
   const int64_t bos = p.query_start_loc[s], eos = p.query_start_loc[s + 1];
   TS* pool = static_cast<TS*>(p.ssm_state);
   const TA* o = static_cast<const TA*>(p.o);
-  const ChunkBufs<C> b(scratch, K, V, gsz, bf16_state_products<TA>() && eos - bos >= kPairsMinTokens);
+  const ChunkBufs<C> b(scratch, K, V, gsz, bf16_state_products<TA>() && eos - bos >= kPairsMinTokens,
+                       raw_qk_operands<TA>());
   if (!zero_state) {
     for (int64_t j = 0; j < gsz; ++j) {  // k-major [K][V] -> panels
       const TS* st = pool + (int64_t(slot) * HV + h0 + j) * K * V;
@@ -725,7 +767,7 @@ void chunk_impl(const ChunkArgs& p, const Parallel& par, const ChunkConv<TA>* cf
   const int64_t gsz = chunk_group(p, nseq, par.num_threads);
   const int64_t groups = HV / gsz;  // items per sequence
   // C = 64's buffers hold C = 32's, with pairs those without.
-  const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz, bf16_state_products<TA>()).total;
+  const int64_t need = ChunkBufs<64>(nullptr, K, V, gsz, bf16_state_products<TA>(), raw_qk_operands<TA>()).total;
   par(nseq * groups, 1, [&](int64_t begin, int64_t end) {
     float* scratch = chunk_scratch(need);
     for (int64_t item = begin; item < end; ++item) {
