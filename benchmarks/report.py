@@ -84,9 +84,10 @@ def add_rates(row, st, roof, suffix=""):
 
 def fma_yardstick(row, roof):
     """The FMA peak a prefill row is held to: the f32 FMA peak, except that the flops the native chunk
-    runs on bf16 pairs (`work_bf16_pairs`: Q S0 and K S0 with bf16 activations where the ISA does so,
-    ffi/README.md, "bf16 products with the state") count at the bf16 dot-product peak, i.e. the rate of
-    a kernel running each of its two instruction mixes at its peak. None without an FMA reading."""
+    runs on the bf16 dot unit (`work_bf16_pairs`, with bf16 activations: Q S0 and K S0 on bf16 pairs
+    where the ISA does so, ffi/README.md, "bf16 products with the state"; every matrix product on AMX
+    tiles) count at the bf16 dot-product peak, i.e. the rate of a kernel running each of its two
+    instruction mixes at its peak. None without an FMA reading."""
     f32 = roof.get("fma_peak_gflops")
     if not f32:
         return None
@@ -99,7 +100,7 @@ def fma_yardstick(row, roof):
 def relevant_peak(roof):
     """The compute roofline of a bf16-activation prefill in the tables and plots: the bf16 dot-product
     peak where it is known, else the f32 FMA peak. (The prefill target is graded on the FMA peak, as
-    issue #20 words it, with any flops on bf16 pairs at the bf16 dot peak: `fma_yardstick`.)"""
+    issue #20 words it, with any flops on the bf16 dot unit at the bf16 dot peak: `fma_yardstick`.)"""
     if roof.get("bf16_dot_peak_gflops"):
         return roof["bf16_dot_peak_gflops"], "bf16 dot peak"
     return roof.get("fma_peak_gflops"), "f32 FMA peak"
@@ -170,7 +171,8 @@ def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
     if key == "frac_fma_peak":
         note = f"{rate:.1f} {unit} of the f32 FMA peak"
         if row.get("work_bf16_pairs") and row.get("fma_yardstick_gflops"):
-            note += (f", {100 * row['work_bf16_pairs'] / row['work']:.0f}% of the flops (Q S0, K S0 on bf16 pairs) "
+            what = row.get("work_bf16_what", "Q S0, K S0 on bf16 pairs")
+            note += (f", {100 * row['work_bf16_pairs'] / row['work']:.0f}% of the flops ({what}) "
                      f"counted at the bf16 dot peak: {row['fma_yardstick_gflops']:.1f} GFLOP/s; "
                      f"{100 * row[f'frac_roofline{suffix}']:.0f}% of the bf16 dot peak")
         elif row.get("roofline") and row["roofline"] != "f32 FMA peak":
@@ -261,7 +263,7 @@ def targets(res):
     for case in ("prefill_2048", "prefill_8192"):
         for suffix, cond in conds:
             _frac_target(add, f"prefill step: ≥ 70% of the f32 FMA peak (chunked algorithm's flops at "
-                         f"C={res.get('chunk', 64)}; any on bf16 pairs at the bf16 dot peak)", f"{case} fp32 {cond}",
+                         f"C={res.get('chunk', 64)}; any on the bf16 dot unit at the bf16 dot peak)", f"{case} fp32 {cond}",
                          _layer(res, case, "fp32"), suffix, 0.7, key="frac_fma_peak")
     # 4. against the fast pure-JAX baseline, paired
     for case, st, thr in ([(f"decode_b{B}", s, 2.5) for B in (1, 8, 32) for s in ("fp32", "bf16")] +

@@ -156,30 +156,48 @@ def chunk_size(n):
     return _gdn_ffi.chunk_size_for(int(n))
 
 
-def chunk_flops(lens, chunk=None):
+def chunk_flops(lens, chunk=None, products_only=False):
     """FLOPs of the chunked algorithm at the chunk size gdn_jax uses for each sequence (``chunk``:
     one size for all), one count per row for every implementation timed on it: the count of
     ffi/README.md (Chunked prefill, "Flops"): per value head and chunk of n tokens, Q.S0 + K.S0 and
     the state update 3 n K V, the causal T.R and P.V_new n^2 V, the raw scores n^2 K per key head
     (shared by its G value heads), T n^3 / 6 multiply-adds; 2 FLOP each. Element-wise work (gates,
-    decays, norms, conv) is not counted. C = 64, K = V = 128, G = 2: 8.0 MFLOP per value head and chunk."""
+    decays, norms, conv) is not counted. C = 64, K = V = 128, G = 2: 8.0 MFLOP per value head and chunk.
+    products_only: without T's forward substitution (the matrix products alone)."""
     G = HV // H
     macs = 0.0
     for n_seq in lens:
         c = chunk or chunk_size(n_seq)
         for t0 in range(0, n_seq, c):
             n = min(c, n_seq - t0)
-            macs += 3 * n * K * V + n * n * V + n * n * K / G + n ** 3 / 6
+            macs += 3 * n * K * V + n * n * V + n * n * K / G + (0 if products_only else n ** 3 / 6)
     return 2 * HV * macs
+
+
+# ISAs whose chunk runs every matrix product on the unit their bf16 dot probe measures: AMX tiles
+# (split-bf16 GEMMs, ffi/README.md, AMX-BF16). neon_bf16's BFMMLA GEMM would be one too, but its
+# probe (BFDOT) is not BFMMLA's rate, and no ARM host has measured either.
+TILE_PRODUCT_ISAS = ("amx",)
 
 
 def chunk_pair_flops(lens):
-    """The part of chunk_flops that runs on bf16 pairs with bf16 activations (Q S0 and K S0, 2 n K V
-    multiply-adds per value head and chunk, in the sequences where the ISA takes them so: ffi/README.md,
-    "bf16 products with the state"); 0 where it does not."""
+    """The part of chunk_flops that runs on the bf16 dot unit with bf16 activations: on AMX every matrix
+    product (all but T's substitution); elsewhere Q S0 and K S0 on bf16 pairs (2 n K V multiply-adds per
+    value head and chunk) in the sequences where the ISA takes them so (ffi/README.md, "bf16 products with
+    the state"); 0 where neither. What it covers: chunk_dot_products()."""
     from gdn_jax import _gdn_ffi
+    if _gdn_ffi.selected_isa() in TILE_PRODUCT_ISAS:
+        return chunk_flops(lens, products_only=True)
     macs = sum(2 * n_seq * K * V for n_seq in lens if _gdn_ffi.chunk_bf16_pairs_for(int(n_seq)))
     return 2 * HV * macs
+
+
+def chunk_dot_products():
+    """Which of the chunk's products chunk_pair_flops counts (the reports' notes)."""
+    from gdn_jax import _gdn_ffi
+    if _gdn_ffi.selected_isa() in TILE_PRODUCT_ISAS:
+        return "every matrix product on AMX tiles"
+    return "Q S0, K S0 on bf16 pairs"
 
 
 def chunk_size_note():
@@ -334,7 +352,7 @@ def case_gating(rng, T, impl):
 
 def _op(op, case, make, *, unit=None, vllm=None, state=None, x=None, impls=None, work_bf16_pairs=None):
     """One ops case. unit: what `work` counts ("bytes" or "flops"); vllm: (case, ops) to look up;
-    work_bf16_pairs: the part of the native kernel's flops on bf16 pairs (chunk_pair_flops)."""
+    work_bf16_pairs: the part of the native kernel's flops on the bf16 dot unit (chunk_pair_flops)."""
     return dict(op=op, case=case, make=make, unit=unit, vllm=vllm, state=state, x=x, impls=impls,
                 work_bf16_pairs=work_bf16_pairs)
 
@@ -432,7 +450,7 @@ def run_ops(quick, impls, target, probe_beside=None):
         row = dict(op=c["op"], case=c["case"], state=c["state"], x=c["x"], unit=c["unit"],
                    vllm_case=c["vllm"][0] if c["vllm"] else None)
         if c["work_bf16_pairs"]:
-            row["work_bf16_pairs"] = c["work_bf16_pairs"]
+            row["work_bf16_pairs"], row["work_bf16_what"] = c["work_bf16_pairs"], chunk_dot_products()
         if probe_beside is not None:
             probe_beside(row)
         for impl in impls:
@@ -804,7 +822,7 @@ def run_layer(quick, target, baseline_path, no_wait, probe_beside=None):
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
                    work=case["work"], vllm_case=case["vllm"][0])
         if case.get("work_bf16_pairs"):
-            row["work_bf16_pairs"] = case["work_bf16_pairs"]
+            row["work_bf16_pairs"], row["work_bf16_what"] = case["work_bf16_pairs"], chunk_dot_products()
         if probe_beside is not None:
             probe_beside(row)
         row["native"] = layer_step(call, target, case["tokens"])

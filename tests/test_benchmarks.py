@@ -729,6 +729,37 @@ def test_prefill_flops_on_bf16_pairs_count_at_the_bf16_dot_peak():
     assert pre["status"] == "probe wrong" and _close(lay["fma_yardstick_gflops"], 100.0)
 
 
+def test_chunk_products_on_amx_tiles_count_at_the_bf16_dot_peak(monkeypatch):
+    """On AMX every matrix product of the chunk runs on tiles, which the bf16 dot probe measures: the
+    flops on the dot unit are the chunk's count less T's substitution (n^3 / 6 multiply-adds per value
+    head and chunk), computed by hand here, and the prefill note names them. Elsewhere only the bf16
+    pairs' Q S0 and K S0 count (none where the ISA has no pairs)."""
+    from gdn_jax import _gdn_ffi
+
+    run = _load("run")
+    lens = [2048, 70]
+    chunks = []  # the chunk lengths at the sizes the selected ISA uses
+    for n_seq in lens:
+        c = run.chunk_size(n_seq)
+        chunks += [min(c, n_seq - t0) for t0 in range(0, n_seq, c)]
+    per_head = sum(3 * n * run.K * run.V + n * n * run.V + n * n * run.K / (run.HV // run.H) for n in chunks)
+    monkeypatch.setattr(_gdn_ffi, "selected_isa", lambda: "amx")
+    assert _close(run.chunk_pair_flops(lens), 2 * run.HV * per_head)
+    assert _close(run.chunk_flops(lens) - run.chunk_pair_flops(lens), 2 * run.HV * sum(n ** 3 / 6 for n in chunks))
+    assert run.chunk_dot_products() == "every matrix product on AMX tiles"
+    monkeypatch.setattr(_gdn_ffi, "selected_isa", lambda: "avx2")
+    monkeypatch.setattr(_gdn_ffi, "chunk_bf16_pairs_for", lambda n: False)
+    assert run.chunk_pair_flops(lens) == 0 and run.chunk_dot_products() == "Q S0, K S0 on bf16 pairs"
+    roof = dict(_res()["roofline"], fma_peak_gflops=100.0, bf16_dot_peak_gflops=1000.0)
+    lay = dict(case="prefill_2048", state="fp32", unit="flops", work=100e9, work_bf16_pairs=90e9,
+               work_bf16_what="every matrix product on AMX tiles", tokens=2048, native=_nat(1000.0))
+    pre = next(x for x in report.grade(_res(roofline=roof, layer=[lay]))["targets"]
+               if x["case"] == "prefill_2048 fp32 alone")
+    # 100 GFLOP/s: at the f32 FMA peak, 1 / (0.1 / 100 + 0.9 / 1000) = 526.3 allowed: 19%, not met.
+    assert pre["status"] == "not met" and _close(pre["value"], 100 / (1 / (0.1 / 100 + 0.9 / 1000)))
+    assert "90% of the flops (every matrix product on AMX tiles)" in pre["note"]
+
+
 def test_spec_rows_are_also_rated_against_their_own_access_pattern():
     """A spec row (op or layer step, not the spec step's conv update) keeps the rmw target the issue
     names and gets, in its note, its fraction of the spec-pattern probe: the run's best reading and
