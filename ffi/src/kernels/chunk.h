@@ -310,8 +310,7 @@ struct ChunkBufs {
   bf16 *Qb, *Kb;  // [C][K]: q, k (A: pairs along K)
   bf16* Sb;       // S0 of one head as pair panels (B)
   bool pairs;     // Q S0 and K S0 on bf16 pairs (Qb, Kb, Sb are set)
-  bool raw;       // Qc, Kc, KcT hold q and k as they came (raw_qk_operands)
-  // With pairs or raw (else null): q^ = rq q, k^ = rk k, applied to the products after.
+  // With pairs or raw_qk_operands (else null): q^ = rq q, k^ = rk k, applied to the products after.
   float *rq, *rk; // [C] the factors (rk zero past the chunk's tokens)
   float* egq;     // [C] e^Gc rq (row scale of X_Q in O)
   bf16 *Qp, *Kp, *KTp;  // q^, k^ and k^T prepared (GemmA; gemm_a_elems, null where 0)
@@ -344,7 +343,6 @@ struct ChunkBufs {
     Qb = Kb = Sb = nullptr;
     rq = rk = egq = nullptr;
     pairs = bf16_products;
-    raw = raw_qk;
     if (bf16_products) {  // two bf16 per float
       Qb = reinterpret_cast<bf16*>(take(C * K / 2));
       Kb = reinterpret_cast<bf16*>(take(C * K / 2));
