@@ -294,7 +294,8 @@ inline float* chunk_scratch(int64_t floats) { return thread_scratch<float, 0>(fl
 template <int C>
 struct ChunkBufs {
   float* S;        // gsz x [K][V] as V/16 panels of K rows: the f32 working states
-  float *Qc, *Kc;  // [C][K] row-major: q^ (scale folded in) and k^ of the chunk (q, k: raw)
+  float *Qc, *Kc;  // [C][K] row-major: q^ (scale folded in) and k^ of the chunk; q and k as
+                   // they came where raw_qk_operands
   float* KcT;      // [K][C] as C/16 panels of K rows: Kc transposed, columns >= n zero
   float *SQ, *SK;  // [C][C] raw scores Q K^T, K K^T (shared by the group)
   float *P, *A;    // [C][C] lower_incl(Q K^T o Gamma), strict_lower(diag(beta) K K^T o Gamma)
