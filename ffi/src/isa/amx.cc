@@ -10,4 +10,5 @@
 #define GDN_ISA_NS amx
 #define GDN_VEC_HEADER "kernels/vec_avx512.h"
 #define GDN_AMX 1
+// GDN_CHUNK_LONG stays 64: C = 32 measured level on AMX (ffi/README.md, "Chunk size").
 #include "kernels/all_kernels.inc"
