@@ -158,6 +158,18 @@ def kernel_sum(res, case, state):
     return total, missing
 
 
+def _empty_call_note(res):
+    """The empty jitted call warm and cold (run.empty_call_ms), the yardstick of "to handler" + "return"."""
+    r = next((r for r in res.get("layer", []) if r.get("empty_call_cold_ms") is not None), None)
+    if r is None:
+        return ""
+    return (f" An empty jitted call took {1e3 * r['empty_call_ms']:.0f} µs back to back and "
+            f"{1e3 * r['empty_call_cold_ms']:.0f} µs right after reading {r.get('empty_call_cold_read_bytes', 0) / 2**20:.0f} MiB with NumPy "
+            "(no XLA work: the caches a step leaves): to handler + return near the cold figure is JAX's "
+            "dispatch path on cold caches, paid once per jitted call, so once per forward in a model that "
+            "jits its forward whole (the one-program table below).")
+
+
 def _frac_target(add, target, case, row, suffix, thr, key="frac_roofline"):
     """A fraction-of-roofline target: `key` "frac_roofline" (the row's own roofline) or "frac_fma_peak"
     (a prefill row against the f32 FMA peak, its bf16 dot fraction in the note)."""
@@ -579,7 +591,7 @@ def markdown(res, md_dir):
                   "not the kernels (ffi/README.md, Limits). **To handler**: from the call to the step handler's "
                   "entry (JAX's dispatch, XLA's launch); **handler**: the handler's own wall time (`StepTimer`); "
                   "**return**: from its return to the results in Python. **In parallel-fors**: wall time inside "
-                  "the kernels' parallel-fors (fork to join), part of the handler's.", "",
+                  "the kernels' parallel-fors (fork to join), part of the handler's." + _empty_call_note(res), "",
                   "| case | state | wall ms | to handler µs | handler ms | return µs | in parallel-fors ms | CPU ms | "
                   "run-queue wait ms | parallel-fors | helper start µs | late helpers | ranges on helpers | "
                   "join wait µs |",

@@ -659,14 +659,31 @@ def _fork_join(cs, spans=None):
     return out
 
 
-def empty_call_ms(target):
+# NumPy bytes read before each "cold" empty call: more than the L2 and a large part of any LLC here,
+# as a step's state moves through the caches, with no XLA work of its own.
+COLD_READ_BYTES = 32 << 20
+
+
+def empty_call_ms(target, cold=False):
     """Median of an empty jitted call (one [1, D] bf16 argument, a slice of it back): the fixed cost
-    of any jitted step, which the decode B = 1 target allows for."""
+    of any jitted step, which the decode B = 1 target allows for. cold: each call right after reading
+    COLD_READ_BYTES with NumPy (untimed), so that JAX's dispatch path runs on the caches a step leaves:
+    the yardstick of the fork/join table's "to handler" and "return" columns."""
     x = jnp.zeros((1, D), jnp.bfloat16)
     f = jax.jit(lambda x: x[:, :1])
     call = lambda: jax.block_until_ready(f(x))  # noqa: E731
     call()
-    return layer_step(call, min(target, 0.5), 1)["median_ms"]
+    if not cold:
+        return layer_step(call, min(target, 0.5), 1)["median_ms"]
+    buf = np.ones(COLD_READ_BYTES // 8)
+    times = []
+    t_end = time.perf_counter() + min(target, 0.5)
+    while len(times) < 20 or time.perf_counter() < t_end:
+        buf.sum()
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
 
 
 def interleaved_step(call, target, tokens):
@@ -816,7 +833,7 @@ def run_layer(quick, target, baseline_path, no_wait, probe_beside=None):
         bl.FOREIGN_MAX = float("inf")  # do not wait for quiet and re-measure (a smoke run, a busy machine)
     rows = []
     all_cases = layer_cases(quick)
-    empty = empty_call_ms(target)
+    empty, empty_cold = empty_call_ms(target), empty_call_ms(target, cold=True)
     for n, case in enumerate(all_cases, 1):
         call = case["setup"]()
         row = dict(case=case["case"], state=case["state"], tokens=case["tokens"], x=case["x"], unit=case["unit"],
@@ -826,7 +843,8 @@ def run_layer(quick, target, baseline_path, no_wait, probe_beside=None):
         if probe_beside is not None:
             probe_beside(row)
         row["native"] = layer_step(call, target, case["tokens"])
-        row["empty_call_ms"] = empty
+        row["empty_call_ms"], row["empty_call_cold_ms"] = empty, empty_cold
+        row["empty_call_cold_read_bytes"] = COLD_READ_BYTES
         row["native_interleaved"], row["native_b2b_pair"], prog = interleaved_step(call, target, case["tokens"])
         row["interleaved_over_b2b"] = row["native_interleaved"]["median_ms"] / row["native_b2b_pair"]["median_ms"]
         b2b_handler = (row["native_b2b_pair"].get("fork_join") or {}).get("handler_ms")

@@ -194,6 +194,8 @@ def test_ratio_columns_come_from_the_measured_medians(quick_run):
         if os.path.exists("/proc/self/task"):  # our threads' CPU time per step: positive, below 64 x wall
             for st in (r["native_interleaved"], r["native_b2b_pair"]):
                 assert 0 < st["cpu_ms"] < 64 * st["p90_ms"] and st["runqueue_wait_ms"] >= 0, st
+        # The empty jitted call's yardstick for dispatch and hand-back: warm, and cold after a NumPy read.
+        assert r["empty_call_ms"] > 0 and r["empty_call_cold_ms"] > 0 and r["empty_call_cold_read_bytes"] > 0, r
         # A separate call splits into dispatch, the handler and the hand-back; each median is within the call's
         # own wall times (the three need not add up: medians of different calls).
         for st in (r["native_interleaved"], r["native_b2b_pair"]):
@@ -206,6 +208,16 @@ def test_ratio_columns_come_from_the_measured_medians(quick_run):
         assert _close(r["in_program_over_b2b_handler"], prog["median_ms"] / r["native_b2b_pair"]["fork_join"]["handler_ms"])
         assert _close(r["gbs_in_program" if r["unit"] == "bytes" else "gflops_in_program"],
                       r["work"] / prog["median_ms"] / 1e6)
+
+
+def test_fork_join_table_names_the_empty_call_warm_and_cold(quick_run):
+    """The fork/join table's note quotes the run's empty jitted call, back to back and after the NumPy
+    read, as rounded from the layer rows."""
+    r = quick_run["res"]["layer"][0]
+    want = (f"An empty jitted call took {1e3 * r['empty_call_ms']:.0f} µs back to back and "
+            f"{1e3 * r['empty_call_cold_ms']:.0f} µs right after reading "
+            f"{r['empty_call_cold_read_bytes'] / 2**20:.0f} MiB with NumPy")
+    assert want in quick_run["md"]
 
 
 def test_layer_rows_time_ours_and_the_baseline_in_turn(quick_run):
