@@ -1695,12 +1695,15 @@ int main() {
         }
     // Packed w: odd `in` (the zero-padded last pair), out past the last full block, 1 .. 3
     // blocks per tile, row tiles and the rows left, several row blocks (threaded split); for the
-    // AMX units also 16-row tiles in pairs and alone, in a multiple of 32, below 32 and odd.
+    // AMX units also 16-row tiles in pairs and alone, in a multiple of 32, below 32 and odd, and
+    // short tiles (5 rows or more, kAmxMinRows): alone (T < 16), after a 16-row tile in one item
+    // (21, 87) and in the last row block after full ones (70); fewer rows left take the vector
+    // step (20, 67, 130).
     for (DType xdt : {DType::f32, DType::bf16})
       for (DType ydt : {DType::f32, DType::bf16})
         for (auto s : {std::array<int64_t, 3>{1, 1, 1}, {1, 17, 9}, {3, 15, 5}, {5, 33, 13}, {2, 100, 31}, {8, 64, 50},
                        {12, 2, 48}, {9, 64, 64}, {67, 257, 600}, {130, 40, 70}, {48, 96, 48}, {16, 31, 16},
-                       {80, 64, 33}})
+                       {80, 64, 33}, {20, 64, 40}, {21, 64, 40}, {87, 33, 40}, {70, 40, 70}, {15, 2048, 32}})
           test_linear_packed(kt, xdt, ydt, s[0], s[1], s[2], rng);
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);

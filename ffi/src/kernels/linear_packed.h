@@ -173,12 +173,14 @@ void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
 // The depth tail (in % 32) goes through zero-padded copies: in place, A would read into the next
 // x row and B past the block's last pair (the next block, or past wp). Every output is summed
 // in one order, 32 elements of `in` at a time (tdpbf16ps: even and odd products in two f32 FMA
-// chains, then both added to C), whatever the tile or thread; rows left after the 16-row tiles
-// take the vector step (another order; the split depends only on T).
-// Rows [0, 16 * mt) of x by blocks [0, nb) of wb, mt and nb in {1, 2}; tmm0..7 configured.
+// chains, then both added to C), whatever the tile or thread. Rows left after the 16-row tiles
+// (all of a decode-sized T) take a tile of their own height when there are kAmxMinRows of them,
+// else the vector step (another order; the split depends only on T).
+// Rows [0, rows) of x by blocks [0, nb) of wb, nb in {1, 2}: rows = 16 * mt with mt in {1, 2}
+// under the full configuration, or rows < 16 (mt = 1) under amx_rows_config(rows).
 template <class TY>
-inline void amx_packed_tile(int mt, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y, int64_t in,
-                            int64_t out, int64_t o0) {
+inline void amx_packed_tile(int mt, int rows, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y,
+                            int64_t in, int64_t out, int64_t o0) {
   tile_zero<0>();
   tile_zero<1>();
   tile_zero<2>();
@@ -207,7 +209,7 @@ inline void amx_packed_tile(int mt, int nb, const bf16* x, const bf16* wb, int64
     alignas(64) bf16 b[2][kTileRows * 2 * kPackBlock];
     std::memset(static_cast<void*>(a), 0, sizeof a);
     std::memset(static_cast<void*>(b), 0, sizeof b);
-    for (int r = 0; r < 16 * mt; ++r) std::memcpy(a[r], x + r * in + full * kDepth, size_t(rem) * sizeof(bf16));
+    for (int r = 0; r < rows; ++r) std::memcpy(a[r], x + r * in + full * kDepth, size_t(rem) * sizeof(bf16));
     const int64_t pairs = (rem + 1) / 2;  // the packing's zero pads an odd `in`
     for (int n = 0; n < nb; ++n)
       std::memcpy(b[n], wb + n * bstride + full * kTileRows * pair_elems, size_t(pairs * pair_elems) * sizeof(bf16));
@@ -221,7 +223,7 @@ inline void amx_packed_tile(int mt, int nb, const bf16* x, const bf16* wb, int64
   if (mt == 2 && nb == 2) tile_store<3>(&stage[kTileRows][kPackBlock], ld);
   for (int n = 0; n < nb; ++n) {
     const int64_t o = o0 + n * kPackBlock, left = out - o;
-    for (int r = 0; r < 16 * mt; ++r) {
+    for (int r = 0; r < rows; ++r) {
       const VF v = vload(&stage[r][n * kPackBlock]);
       if (left >= kPackBlock) vstore(y + r * out + o, v);
       else vstore_n(y + r * out + o, v, int(left));
@@ -229,8 +231,19 @@ inline void amx_packed_tile(int mt, int nb, const bf16* x, const bf16* wb, int64
   }
 }
 
+// Fewest rows left after the 16-row tiles that take a tile of their own height.
+constexpr int64_t kAmxMinRows = 5;
+
+// The configuration of a short row tile: C (tmm0..3) and A (tmm4, 5) `rows` high, B (tmm6, 7) the
+// full 16 pairs of depth.
+inline AmxTileConfig amx_rows_config(int rows) {
+  AmxTileConfig c = amx_config(kTiles, rows, kTileColsB);
+  c.rows[6] = c.rows[7] = uint8_t(kTileRows);
+  return c;
+}
+
 // Items of 2 blocks by 64 x rows as linear_packed_steps: 32-row tile pairs, a 16-row tile, then
-// the rows left on the vector step.
+// the rows left on a short tile (kAmxMinRows or more) or the vector step.
 template <class TY>
 void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
   const bf16* x = static_cast<const bf16*>(p.x);
@@ -240,25 +253,41 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
   const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock;
   const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock;
   const int64_t n_tiles = (n_blocks + 1) / 2, tb = 64, n_tb = (T + tb - 1) / tb;
+  // Every item's short tile has the same height (the last row block's rows past its 16-row
+  // tiles; T < 16: all of them): a thread loads a configuration again only where its items
+  // switch between full and short tiles.
+  const int64_t left = (T - (n_tb - 1) * tb) % kTileRows;
+  const bool short_tiles = left >= kAmxMinRows;
+  const AmxTileConfig full_cfg = amx_config(kTiles, kTileRows, kTileColsB);
+  const AmxTileConfig short_cfg = amx_rows_config(short_tiles ? int(left) : kTileRows);
   par(n_tiles * n_tb, 1, [&](int64_t i0, int64_t i1) {
-    const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
-    tile_loadconfig(&cfg);
+    const AmxTileConfig* loaded = nullptr;
+    const auto use = [&](const AmxTileConfig* cfg) {
+      if (loaded != cfg) tile_loadconfig(cfg);
+      loaded = cfg;
+    };
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b0 = (i / n_tb) * 2, t0 = (i % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
       const int nb = n_blocks - b0 < 2 ? 1 : 2;
       const bf16* wb = wp + b0 * bstride;
       int64_t t = t0;
       for (; t + kTileRows <= t1; t += 2 * kTileRows) {
+        use(&full_cfg);
         const int mt = t + 2 * kTileRows <= t1 ? 2 : 1;
-        amx_packed_tile(mt, nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+        amx_packed_tile(mt, kTileRows * mt, nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
         if (mt == 1) {
           t += kTileRows;
           break;
         }
       }
-      if (t < t1) packed_rows_n<PackedBf16Step>(x, wp, bstride, y, in, out, t, t1, b0, nb);
+      if (t < t1 && short_tiles) {
+        use(&short_cfg);
+        amx_packed_tile(1, int(t1 - t), nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+      } else if (t < t1) {
+        packed_rows_n<PackedBf16Step>(x, wp, bstride, y, in, out, t, t1, b0, nb);
+      }
     }
-    tile_release();
+    if (loaded != nullptr) tile_release();
   });
 }
 #endif
@@ -266,9 +295,9 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
 template <class TX, class TY>
 inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
 #if defined(GDN_AMX)
-  // Decode-sized T (< one tile of rows) stays on the vector step's 8 x 3 tile.
+  // Decode-sized T takes short tiles from kAmxMinRows rows, else the vector step's 8 x 3 tile.
   if constexpr (std::is_same_v<TX, bf16>)
-    if (p.T >= kTileRows && p.out > 0) return linear_packed_amx<TY>(p, par);
+    if (p.T >= (kAmxMinRows < kTileRows ? kAmxMinRows : kTileRows) && p.out > 0) return linear_packed_amx<TY>(p, par);
 #endif
   if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedBf16Step, TX, TY>(p, par);
   linear_packed_steps<PackedFmaStep, TX, TY>(p, par);
