@@ -163,8 +163,9 @@ def _empty_call_note(res):
     r = next((r for r in res.get("layer", []) if r.get("empty_call_cold_ms") is not None), None)
     if r is None:
         return ""
+    mib = r["empty_call_cold_read_bytes"] / 2**20
     return (f" An empty jitted call took {1e3 * r['empty_call_ms']:.0f} µs back to back and "
-            f"{1e3 * r['empty_call_cold_ms']:.0f} µs right after reading {r.get('empty_call_cold_read_bytes', 0) / 2**20:.0f} MiB with NumPy "
+            f"{1e3 * r['empty_call_cold_ms']:.0f} µs right after reading {mib:.0f} MiB with NumPy "
             "(no XLA work: the caches a step leaves): to handler + return near the cold figure is JAX's "
             "dispatch path on cold caches, paid once per jitted call, so once per forward in a model that "
             "jits its forward whole (the one-program table below).")
