@@ -176,11 +176,12 @@ void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
 // chains, then both added to C), whatever the tile or thread. Rows left after the 16-row tiles
 // (all of a decode-sized T) take a tile of their own height when there are kAmxMinRows of them,
 // else the vector step (another order; the split depends only on T).
-// Rows [0, rows) of x by blocks [0, nb) of wb, nb in {1, 2}: rows = 16 * mt with mt in {1, 2}
-// under the full configuration, or rows < 16 (mt = 1) under amx_rows_config(rows).
+// Rows [0, rows) of x by blocks [0, nb) of wb, nb in {1, 2}: rows 16 or 32 (one or two row
+// tiles) under the full configuration, or rows < 16 (one row tile) under amx_rows_config(rows).
 template <class TY>
-inline void amx_packed_tile(int mt, int rows, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y,
-                            int64_t in, int64_t out, int64_t o0) {
+inline void amx_packed_tile(int rows, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y, int64_t in,
+                            int64_t out, int64_t o0) {
+  const int mt = rows > kTileRows ? 2 : 1;  // row tiles
   tile_zero<0>();
   tile_zero<1>();
   tile_zero<2>();
@@ -233,6 +234,7 @@ inline void amx_packed_tile(int mt, int rows, int nb, const bf16* x, const bf16*
 
 // Fewest rows left after the 16-row tiles that take a tile of their own height.
 constexpr int64_t kAmxMinRows = 5;
+static_assert(kAmxMinRows <= kTileRows, "rows left after the 16-row tiles are fewer than 16");
 
 // The configuration of a short row tile: C (tmm0..3) and A (tmm4, 5) `rows` high, B (tmm6, 7) the
 // full 16 pairs of depth.
@@ -274,7 +276,7 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
       for (; t + kTileRows <= t1; t += 2 * kTileRows) {
         use(&full_cfg);
         const int mt = t + 2 * kTileRows <= t1 ? 2 : 1;
-        amx_packed_tile(mt, kTileRows * mt, nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+        amx_packed_tile(kTileRows * mt, nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
         if (mt == 1) {
           t += kTileRows;
           break;
@@ -282,7 +284,7 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
       }
       if (t < t1 && short_tiles) {
         use(&short_cfg);
-        amx_packed_tile(1, int(t1 - t), nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+        amx_packed_tile(int(t1 - t), nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
       } else if (t < t1) {
         packed_rows_n<PackedBf16Step>(x, wp, bstride, y, in, out, t, t1, b0, nb);
       }
@@ -297,7 +299,7 @@ inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
 #if defined(GDN_AMX)
   // Decode-sized T takes short tiles from kAmxMinRows rows, else the vector step's 8 x 3 tile.
   if constexpr (std::is_same_v<TX, bf16>)
-    if (p.T >= (kAmxMinRows < kTileRows ? kAmxMinRows : kTileRows) && p.out > 0) return linear_packed_amx<TY>(p, par);
+    if (p.T >= kAmxMinRows && p.out > 0) return linear_packed_amx<TY>(p, par);
 #endif
   if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedBf16Step, TX, TY>(p, par);
   linear_packed_steps<PackedFmaStep, TX, TY>(p, par);
