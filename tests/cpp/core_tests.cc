@@ -1354,6 +1354,42 @@ void test_amx_model_faults() {
   });
 }
 
+// The packed projection's tile paths through the model, at sizes the kernel table sends to the
+// unpacked tiles: x packed in panels of 64 rows (several panels, the last partial) with w
+// groups of 2 block pairs (several groups, the last short, a last pair of one block) and with
+// the defaults (one panel, one group), against float64 and bit for bit against the unpacked
+// tiles (every row count here stays on tiles there: the rows left after the 16-row tiles are
+// 0 or at least kAmxMinRows), on 1 and 3 threads; nothing written past y.
+void test_amx_linear_panels(std::mt19937& rng) {
+  for (auto s : {std::array<int64_t, 3>{150, 100, 600}, {37, 64, 40}, {70, 33, 17}, {64, 2048, 32}})
+    for (DType ydt : {DType::f32, DType::bf16}) {
+      const int64_t T = s[0], in = s[1], out = s[2];
+      const std::string tag = "amx linear panels y " + std::string(ydt == DType::f32 ? "f32 " : "bf16 ") +
+                              std::to_string(T) + "x" + std::to_string(in) + "x" + std::to_string(out);
+      Act x(size_t(T * in), rng), w(size_t(out * in), rng);
+      const std::vector<uint16_t> wp = pack_w(w, in, out);
+      const std::vector<double> ref = linear_f64(x, w, T, in, out);
+      const size_t esz = ydt == DType::f32 ? 4 : 2, ybytes = size_t(T * out) * esz, guard = 64;
+      const int64_t pair_bytes = (in + 1) / 2 * 2 * 16 * 2 * 2;
+      ThreadedParallel tp{3};
+      std::vector<std::vector<uint8_t>> ys;
+      for (auto run : {std::array<int64_t, 3>{0, 0, 1}, {64, 2 * pair_bytes, 1}, {64, 2 * pair_bytes, 3},
+                       {1024, int64_t(1) << 20, 3}}) {
+        std::vector<uint8_t> y(ybytes + guard, 0xAB);
+        LinearArgs p{DType::bf16, DType::bf16, ydt, x.ptr(DType::bf16), wp.data(), y.data(), T, in, out};
+        am::linear_packed_tiles(p, run[2] == 3 ? tp.par() : Parallel{}, run[0], run[1]);
+        check_true(tag + " nothing written past y (panel " + std::to_string(run[0]) + ", " + std::to_string(run[2]) +
+                       " thread" + (run[2] == 1 ? ")" : "s)"),
+                   std::all_of(y.begin() + ybytes, y.end(), [](uint8_t b) { return b == 0xAB; }));
+        y.resize(ybytes);
+        ys.push_back(y);
+      }
+      check_linear_y(tag, read_act(ys[1].data(), ydt, size_t(T * out)), ref, ydt);
+      check_true(tag + ": panels, 1 and 3 threads, bit-identical to the unpacked tiles",
+                 ys[1] == ys[0] && ys[2] == ys[0] && ys[3] == ys[0]);
+    }
+}
+
 // AMX availability: the verdict for each situation, and Linux's answer on this machine.
 void test_amx_dispatch() {
   const AmxDecision no_cpu = decide_amx(false, true, 0), no_os = decide_amx(true, false, 0),
@@ -1620,6 +1656,7 @@ int main() {
     test_amx_model_load_store();
     test_amx_model_faults();
     test_split_gemm("amx gemm", am::gemm, rng);
+    test_amx_linear_panels(rng);
     test_amx_dispatch();
   }
 #endif
@@ -1698,12 +1735,14 @@ int main() {
     // AMX units also 16-row tiles in pairs and alone, in a multiple of 32, below 32 and odd, and
     // short tiles (5 rows or more, kAmxMinRows): alone (T < 16), after a 16-row tile in one item
     // (21, 87) and in the last row block after full ones (70); fewer rows left take the vector
-    // step (20, 67, 130).
+    // step (20, 67, 130); x past 2 MiB is packed in tile order (520 x 2048: one panel, one group;
+    // test_amx_linear_panels has the rest).
     for (DType xdt : {DType::f32, DType::bf16})
       for (DType ydt : {DType::f32, DType::bf16})
         for (auto s : {std::array<int64_t, 3>{1, 1, 1}, {1, 17, 9}, {3, 15, 5}, {5, 33, 13}, {2, 100, 31}, {8, 64, 50},
                        {12, 2, 48}, {9, 64, 64}, {67, 257, 600}, {130, 40, 70}, {48, 96, 48}, {16, 31, 16},
-                       {80, 64, 33}, {20, 64, 40}, {21, 64, 40}, {87, 33, 40}, {70, 40, 70}, {15, 2048, 32}})
+                       {80, 64, 33}, {20, 64, 40}, {21, 64, 40}, {87, 33, 40}, {70, 40, 70}, {15, 2048, 32},
+                       {520, 2048, 40}})
           test_linear_packed(kt, xdt, ydt, s[0], s[1], s[2], rng);
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);

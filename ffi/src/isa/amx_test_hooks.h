@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "gdn/types.h"  // LinearArgs, Parallel
+
 namespace gdn {
 namespace amx_model_test {
 
@@ -25,6 +27,11 @@ uint8_t* tile_bytes(int tile);
 void gemm(int parts, bool out_bf16, int M, int N, int P, const float* A, int64_t rsa, int64_t csa,
           const float* B, int64_t ldb, int64_t bsb, const float* Cin, int64_t ldc, int64_t bsc,
           const float* crs, void* Cout, int64_t ldo, int64_t bso, int shape);
+
+// The packed projection's tile paths (kernels/linear_packed.h), bf16 x, whatever x's size:
+// panel_rows 0 the unpacked tiles (linear_packed_amx), else x packed in panels of panel_rows
+// rows with items over w groups of at most group_bytes (linear_packed_amx_panels).
+void linear_packed_tiles(const LinearArgs& p, const Parallel& par, int64_t panel_rows, int64_t group_bytes);
 
 }  // namespace amx_model_test
 }  // namespace gdn

@@ -168,25 +168,37 @@ void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
 #if defined(GDN_AMX)
 // bf16 x on AMX tiles. A block's pairs 16d .. 16d + 15 are 16 rows of 64 bytes (16 outputs x
 // one pair): the VNNI B operand of tdpbf16ps as packed, so B tiles load straight from wp
-// (stride 64 B), and A tiles are 16 x rows by 32 elements of `in` straight from x. 2 x 2 C tiles
-// (32 rows x 2 blocks, tmm0..3), A in tmm4, 5, B in tmm6, 7, all configured 16 rows x 64 bytes.
-// The depth tail (in % 32) goes through zero-padded copies: in place, A would read into the next
-// x row and B past the block's last pair (the next block, or past wp). Every output is summed
-// in one order, 32 elements of `in` at a time (tdpbf16ps: even and odd products in two f32 FMA
-// chains, then both added to C), whatever the tile or thread. Rows left after the 16-row tiles
-// (all of a decode-sized T) take a tile of their own height when there are kAmxMinRows of them,
-// else the vector step (another order; the split depends only on T).
-// Rows [0, rows) of x by blocks [0, nb) of wb, nb in {1, 2}: rows 16 or 32 (one or two row
-// tiles) under the full configuration, or rows < 16 (one row tile) under amx_rows_config(rows).
+// (stride 64 B). A tiles are 16 x rows by 32 elements of `in`: straight from x for decode-sized
+// T, from x packed into tile order (amx_pack_x) for prefill-sized T. 2 x 2 C tiles (32 rows x 2
+// blocks, tmm0..3), A in tmm4, 5, B in tmm6, 7, all configured 16 rows x 64 bytes. The depth
+// tail (in % 32) goes through zero-padded copies of B (in place, B would read past the block's
+// last pair: the next block, or past wp) and of an unpacked A (which would read into the next x
+// row). Every output is summed in one order, 32 elements of `in` at a time (tdpbf16ps: even and
+// odd products in two f32 FMA chains, then both added to C), whatever the tile, path or thread.
+// Rows left after the 16-row tiles of a decode-sized T take a tile of their own height when
+// there are kAmxMinRows of them, else the vector step (another order; the split depends only
+// on T).
+
+// Where a tile's A rows are: row tile 0's depth step d at a + d * step, rows `stride` bytes
+// apart, row tile 1 `tile2` elements after row tile 0; padded: zero past `in` (packed x).
+struct AmxRows {
+  const bf16* a;
+  int64_t step, stride, tile2;
+  bool padded;
+};
+
+// Rows [0, rows) of A by blocks [0, nb) of wb, nb in {1, 2}: rows 16 or 32 (one or two row
+// tiles) under the full configuration, or rows < 16 (one row tile) under amx_rows_config(rows)
+// for unpacked A; packed A has zero rows past `rows`, so any rows <= 32 run on full tiles.
 template <class TY>
-inline void amx_packed_tile(int rows, int nb, const bf16* x, const bf16* wb, int64_t bstride, TY* y, int64_t in,
-                            int64_t out, int64_t o0) {
+inline void amx_packed_tile(int rows, int nb, const AmxRows& A, const bf16* wb, int64_t bstride, TY* y, int64_t in,
+                            int64_t out, int64_t o0, const char* pf = nullptr, int64_t pf_lines = 0) {
   const int mt = rows > kTileRows ? 2 : 1;  // row tiles
   tile_zero<0>();
   tile_zero<1>();
   tile_zero<2>();
   tile_zero<3>();
-  const auto step = [&](const bf16* a, int64_t a_stride, const bf16* b0, const bf16* b1) {
+  const auto step = [&](const bf16* a, int64_t a_stride, const bf16* a2, const bf16* b0, const bf16* b1) {
     tile_load<4>(a, a_stride);
     tile_load<6>(b0, 2 * kPackBlock * int64_t(sizeof(bf16)));
     tile_dpbf16ps<0, 4, 6>();
@@ -195,26 +207,39 @@ inline void amx_packed_tile(int rows, int nb, const bf16* x, const bf16* wb, int
       tile_dpbf16ps<1, 4, 7>();
     }
     if (mt == 2) {
-      tile_load<5>(a + 16 * (a_stride / int64_t(sizeof(bf16))), a_stride);
+      tile_load<5>(a2, a_stride);
       tile_dpbf16ps<2, 5, 6>();
       if (nb == 2) tile_dpbf16ps<3, 5, 7>();
     }
   };
   constexpr int64_t kDepth = 2 * kTileRows;  // elements of `in` per step: 16 pairs
   const int64_t full = in / kDepth, pair_elems = 2 * kPackBlock;
-  for (int64_t d = 0; d < full; ++d)
-    step(x + d * kDepth, in * int64_t(sizeof(bf16)), wb + d * kTileRows * pair_elems,
+  const int64_t pf_per_step = full > 0 ? (pf_lines + full - 1) / full : 0;
+  for (int64_t d = 0; d < full; ++d) {
+    for (int64_t l = d * pf_per_step; l < std::min(pf_lines, (d + 1) * pf_per_step); ++l)
+      __builtin_prefetch(pf + 64 * l, 0, 2);
+    const bf16* a = A.a + d * A.step;
+    step(a, A.stride, a + A.tile2, wb + d * kTileRows * pair_elems,
          wb + (nb == 2 ? bstride : 0) + d * kTileRows * pair_elems);
+  }
   if (const int64_t rem = in - full * kDepth; rem > 0) {
-    alignas(64) bf16 a[2 * kTileRows][kDepth];
     alignas(64) bf16 b[2][kTileRows * 2 * kPackBlock];
-    std::memset(static_cast<void*>(a), 0, sizeof a);
     std::memset(static_cast<void*>(b), 0, sizeof b);
-    for (int r = 0; r < rows; ++r) std::memcpy(a[r], x + r * in + full * kDepth, size_t(rem) * sizeof(bf16));
     const int64_t pairs = (rem + 1) / 2;  // the packing's zero pads an odd `in`
     for (int n = 0; n < nb; ++n)
       std::memcpy(b[n], wb + n * bstride + full * kTileRows * pair_elems, size_t(pairs * pair_elems) * sizeof(bf16));
-    step(&a[0][0], kDepth * int64_t(sizeof(bf16)), b[0], b[1]);
+    if (A.padded) {
+      const bf16* a = A.a + full * A.step;
+      step(a, A.stride, a + A.tile2, b[0], b[1]);
+    } else {
+      alignas(64) bf16 a[2 * kTileRows][kDepth];
+      std::memset(static_cast<void*>(a), 0, sizeof a);
+      for (int r = 0; r < rows; ++r)
+        std::memcpy(a[r], A.a + (r / kTileRows) * A.tile2 + (r % kTileRows) * (A.stride / int64_t(sizeof(bf16))) +
+                              full * A.step,
+                    size_t(rem) * sizeof(bf16));
+      step(&a[0][0], kDepth * int64_t(sizeof(bf16)), &a[kTileRows][0], b[0], b[1]);
+    }
   }
   alignas(64) float stage[2 * kTileRows][2 * kPackBlock];
   constexpr int64_t ld = 2 * kPackBlock * int64_t(sizeof(float));
@@ -230,6 +255,12 @@ inline void amx_packed_tile(int rows, int nb, const bf16* x, const bf16* wb, int
       else vstore_n(y + r * out + o, v, int(left));
     }
   }
+}
+
+// Unpacked x rows from row t: 16-row tiles `in` elements apart per row.
+inline AmxRows amx_x_rows(const bf16* x, int64_t in, int64_t t) {
+  constexpr int64_t kDepth = 2 * kTileRows;
+  return {x + t * in, kDepth, in * int64_t(sizeof(bf16)), kTileRows * in, false};
 }
 
 // Fewest rows left after the 16-row tiles that take a tile of their own height.
@@ -276,7 +307,7 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
       for (; t + kTileRows <= t1; t += 2 * kTileRows) {
         use(&full_cfg);
         const int mt = t + 2 * kTileRows <= t1 ? 2 : 1;
-        amx_packed_tile(kTileRows * mt, nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+        amx_packed_tile(kTileRows * mt, nb, amx_x_rows(x, in, t), wb, bstride, y + t * out, in, out, b0 * kPackBlock);
         if (mt == 1) {
           t += kTileRows;
           break;
@@ -284,7 +315,7 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
       }
       if (t < t1 && short_tiles) {
         use(&short_cfg);
-        amx_packed_tile(int(t1 - t), nb, x + t * in, wb, bstride, y + t * out, in, out, b0 * kPackBlock);
+        amx_packed_tile(int(t1 - t), nb, amx_x_rows(x, in, t), wb, bstride, y + t * out, in, out, b0 * kPackBlock);
       } else if (t < t1) {
         packed_rows_n<PackedBf16Step>(x, wp, bstride, y, in, out, t, t1, b0, nb);
       }
@@ -292,14 +323,101 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
     if (loaded != nullptr) tile_release();
   });
 }
+
+// Prefill-sized T: x packed into tile order once per panel of rows (a fork of its own), then
+// the tiles. Unpacked, a tile's 16 A rows are `in` elements apart (in = 2048: 4 KiB, one L1
+// set), and once x outgrows L2 every block pair's pass takes A from L3, where tile loads run at
+// a fraction of their L2 rate. Packed, a row pair's A is one contiguous run; an item is a row
+// pair by a group of block pairs whose w (at most kAmxGroupBytes) stays in L2 for the thread's
+// next items (the next row pairs), so A comes from L3 once per group instead of once per block
+// pair, and the next row pair's A is prefetched into L2 while an item runs (ffi/README.md,
+// AMX-BF16, "Prefill-sized T").
+constexpr int64_t kAmxPackMinXBytes = int64_t(2) << 20;  // x past one core's L2
+constexpr int64_t kAmxPanelRows = 1024;                  // x rows packed at a time: 8 MiB at in = 4096
+constexpr int64_t kAmxGroupBytes = int64_t(1) << 20;     // w of an item's block pairs: half the L2
+
+// Row tiles [rt0, rt1) of rows [0, rows) of x into tile order: xp[rt][d][r][e] = x[16 rt + r,
+// 32 d + e], zero past `rows` and past `in`; nd = ceil(in / 32) depth steps.
+inline void amx_pack_x(const bf16* x, int64_t in, int64_t rows, int64_t nd, int64_t rt0, int64_t rt1, bf16* xp) {
+  constexpr int64_t kDepth = 2 * kTileRows, kTileElems = kTileRows * kDepth;
+  const int64_t full = in / kDepth, rem = in - full * kDepth;
+  for (int64_t rt = rt0; rt < rt1; ++rt)
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t t = rt * kTileRows + r;
+      bf16* dst = xp + rt * nd * kTileElems + r * kDepth;
+      if (t >= rows) {
+        for (int64_t d = 0; d < nd; ++d) std::memset(dst + d * kTileElems, 0, kDepth * sizeof(bf16));
+        continue;
+      }
+      const bf16* src = x + t * in;
+      for (int64_t d = 0; d < full; ++d) std::memcpy(dst + d * kTileElems, src + d * kDepth, kDepth * sizeof(bf16));
+      if (rem > 0) {
+        std::memset(dst + full * kTileElems, 0, kDepth * sizeof(bf16));
+        std::memcpy(dst + full * kTileElems, src + full * kDepth, size_t(rem) * sizeof(bf16));
+      }
+    }
+}
+
+// panel_rows, group_bytes: kAmxPanelRows, kAmxGroupBytes (the tests pass small ones).
+template <class TY>
+void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t panel_rows = kAmxPanelRows,
+                              int64_t group_bytes = kAmxGroupBytes) {
+  const bf16* x = static_cast<const bf16*>(p.x);
+  const bf16* wp = static_cast<const bf16*>(p.w);
+  TY* y = static_cast<TY*>(p.y);
+  const int64_t T = p.T, in = p.in, out = p.out;
+  constexpr int64_t kDepth = 2 * kTileRows, kTileElems = kTileRows * kDepth;
+  const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock, n_pairs = (n_blocks + 1) / 2;
+  const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock, nd = (in + kDepth - 1) / kDepth;
+  const int64_t pair_bytes = 2 * bstride * int64_t(sizeof(bf16));
+  const int64_t group = std::max<int64_t>(1, std::min(n_pairs, group_bytes / pair_bytes));
+  const int64_t n_groups = (n_pairs + group - 1) / group;
+  const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
+  // The calling thread's scratch (no allocation per call); the workers fill and read it.
+  const int64_t max_rt = (std::min(T, panel_rows) + kTileRows - 1) / kTileRows;
+  bf16* xp = thread_scratch<bf16, 6>(max_rt * nd * kTileElems);
+  for (int64_t t0 = 0; t0 < T; t0 += panel_rows) {
+    const int64_t rows = std::min(panel_rows, T - t0);
+    const int64_t n_rt = (rows + kTileRows - 1) / kTileRows, n_rp = (n_rt + 1) / 2;
+    const bf16* xt = x + t0 * in;
+    par(n_rt, 1, [&](int64_t r0, int64_t r1) { amx_pack_x(xt, in, rows, nd, r0, r1, xp); });
+    // Items: a row pair by a group of block pairs, the row pairs of one group consecutive.
+    par(n_groups * n_rp, 1, [&](int64_t i0, int64_t i1) {
+      tile_loadconfig(&cfg);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t q0 = (i / n_rp) * group, q1 = std::min(n_pairs, q0 + group), rp = i % n_rp;
+        const int r_rows = int(std::min<int64_t>(2 * kTileRows, rows - rp * 2 * kTileRows));
+        const AmxRows A{xp + 2 * rp * nd * kTileElems, kTileElems, kDepth * int64_t(sizeof(bf16)), nd * kTileElems,
+                        true};
+        // The next item's A (the next row pair; past the last, the first) into L2, spread over
+        // this item's tiles. Past a last single row tile the lines lie past xp: a prefetch does
+        // not fault.
+        const char* next = reinterpret_cast<const char*>(xp + 2 * ((rp + 1) % n_rp) * nd * kTileElems);
+        const int64_t a_lines = 2 * nd * kTileElems * int64_t(sizeof(bf16)) / 64;
+        const int64_t per_q = (a_lines + q1 - q0 - 1) / (q1 - q0);
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t b0 = 2 * q, l0 = (q - q0) * per_q;
+          amx_packed_tile(r_rows, n_blocks - b0 < 2 ? 1 : 2, A, wp + b0 * bstride, bstride,
+                          y + (t0 + rp * 2 * kTileRows) * out, in, out, b0 * kPackBlock, next + 64 * l0,
+                          std::max<int64_t>(0, std::min(per_q, a_lines - l0)));
+        }
+      }
+      tile_release();
+    });
+  }
+}
 #endif
 
 template <class TX, class TY>
 inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
 #if defined(GDN_AMX)
-  // Decode-sized T takes short tiles from kAmxMinRows rows, else the vector step's 8 x 3 tile.
-  if constexpr (std::is_same_v<TX, bf16>)
+  // From kAmxMinRows rows on tiles (else the vector step's 8 x 3 tile): x past L2 packed first,
+  // decode-sized T on short tiles. Both tile paths give the same bits.
+  if constexpr (std::is_same_v<TX, bf16>) {
+    if (p.T >= kAmxMinRows && p.out > 0 && p.T * p.in * int64_t(sizeof(bf16)) >= kAmxPackMinXBytes)
+      return linear_packed_amx_panels<TY>(p, par);
     if (p.T >= kAmxMinRows && p.out > 0) return linear_packed_amx<TY>(p, par);
+  }
 #endif
   if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedBf16Step, TX, TY>(p, par);
   linear_packed_steps<PackedFmaStep, TX, TY>(p, par);
