@@ -280,11 +280,17 @@ def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDN
     batch = _unwrap(batch)
     o, cache, status = _step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache, batch)
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps)
-    # Bucket padding tokens and refused batches output zeros: o is zero there, but 0 * silu(z) is
-    # NaN where the padding's hidden values are not finite.
-    real = (jnp.arange(T) < batch.query_start_loc[-1]) & (status[0] == 0)
-    y = jnp.where(real[:, None, None], y, jnp.zeros((), y.dtype))
-    return out_projection(params, y.reshape(T, config.Z), impl), cache, status
+    out = out_projection(params, y.reshape(T, config.Z), impl)
+    return _zero_padding(out, batch.query_start_loc, status), cache, status
+
+
+def _zero_padding(out, query_start_loc, status):
+    """out [T, hidden] with zero rows for bucket padding tokens and for a refused batch: o is zero
+    there, but 0 * silu(z) is NaN where the padding's hidden values are not finite. On out (each
+    row its own sums), not on the norm's [T, HV, V]: a select there kept XLA from fusing the norm
+    as it does alone (benchmarks/LAYER_NOTES.md)."""
+    real = (jnp.arange(out.shape[0]) < query_start_loc[-1]) & (status[0] == 0)
+    return jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
 
 
 class GatedDeltaNetLayer:

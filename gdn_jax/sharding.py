@@ -51,8 +51,8 @@ from . import _checks, paths
 from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, batch_status, build_batch, status_message
 from .checkpoint import load_layer_params
 from .config import GDNCache, GDNConfig, GDNParams
-from .layer import (LAYER_STEPS, PACKED_PROJECTIONS, GDNLayerConfig, GDNLayerParams, gated_rms_norm, in_projection,
-                    out_projection)
+from .layer import (LAYER_STEPS, PACKED_PROJECTIONS, GDNLayerConfig, GDNLayerParams, _zero_padding, gated_rms_norm,
+                    in_projection, out_projection)
 from .ops import PackedLinearWeight, pack_linear_weight
 
 __all__ = [
@@ -712,8 +712,9 @@ def load_sharded_layer_params(path, layer: int, config, mesh: Mesh, *, packed: b
 
 def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, hidden, params, cache, batch):
     """One shard's layer step: in_proj of its channels, the core step under the global batch
-    check, its gated norm, its partial out_proj in f32 and ONE reduction over "model" (psum,
-    or reduce-scatter over tokens), rounded once to the act dtype, as the unsharded layer."""
+    check, its gated norm, its partial out_proj in f32 (zero rows for padding tokens and a
+    refused batch) and ONE reduction over "model" (psum, or reduce-scatter over tokens), rounded
+    once to the act dtype, as the unsharded layer."""
     core_kind = LAYER_STEPS[kind]
     batch = _squeeze_batch(batch)
     T = hidden.shape[0]
@@ -725,13 +726,13 @@ def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, 
     o, cache, op_st = paths._step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
                                   paths._neutralise(batch, st[0] == 0))
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps).reshape(T, config.Z)
-    part = out_projection(params, y, impl, jnp.float32)
+    status = jnp.where(st[0] != 0, st, _global_status(op_st, dp, tp))
+    part = _zero_padding(out_projection(params, y, impl, jnp.float32), batch.query_start_loc, status)
     if scatter:
         out = jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
     else:
         out = jax.lax.psum(part, MODEL)
-    op_st = _global_status(op_st, dp, tp)
-    return out.astype(hidden.dtype), cache, jnp.where(st[0] != 0, st, op_st)
+    return out.astype(hidden.dtype), cache, status
 
 
 class ShardedGatedDeltaNetLayer(_ShardedSteps):

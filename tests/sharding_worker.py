@@ -258,6 +258,37 @@ def run_sequence(fam, impl, mesh, *, with_reference=True, seed=0):
         check(f"step {n} {kind}: conv_state vs unsharded", rel_rmse_local(shd.cache.conv_state, conv), TOL)
         check(f"step {n} {kind}: ssm_state vs unsharded", rel_rmse_local(shd.cache.ssm_state, ssm), TOL)
     refused_steps(fam, shd, ref, rng, dp)
+    if fam.what == "layer":
+        padding_rows_zero(fam, shd, rng, dp)
+
+
+def padding_rows_zero(fam, shd, rng, dp):
+    """As the unsharded layer: bucket padding tokens output zeros even where their hidden values
+    are not finite (NaN, inf, -inf on every data shard's padding), and a refused batch outputs
+    zeros everywhere."""
+    reqs = [Request.prefill((d % dp) * N + 3, 4 + d) for d in range(dp)]
+    hb = shd.build(reqs)
+    (h,) = shd.pack(hb, fam.inputs(reqs, rng))
+    h = np.array(h)
+    qsl = np.asarray(hb.metadata.query_start_loc)
+    real = np.zeros(h.shape[0], bool)
+    for d in range(dp):
+        real[d * T:d * T + qsl[d, -1]] = True
+    h[~real] = np.array([np.nan, np.inf, -np.inf])[np.arange(int((~real).sum())) % 3][:, None]
+    out, shd.cache, status = shd.engine.prefill_with_status(sh._place_if_host(h, shd.mesh, shd.engine._array_specs[0]), shd.params, shd.cache,
+                                                            sh._place_batch(hb, shd.mesh))
+    out = np.asarray(out)
+    if int(np.asarray(status)[0]) != 0 or not np.all(np.isfinite(out[real])) or np.any(out[~real]):
+        fail(f"padding rows: status {np.asarray(status)}, padding out {out[~real][:2]}")
+    meta = hb.metadata
+    idx = meta.state_indices.copy()
+    idx[0, 0, 0] = N                                    # past the shard's slots: refused everywhere
+    bad = type(meta)(**{**{f: getattr(meta, f) for f in meta.__dataclass_fields__}, "state_indices": idx})
+    out, shd.cache, status = shd.engine.prefill_with_status(sh._place_if_host(np.full_like(h, np.nan), shd.mesh, shd.engine._array_specs[0]), shd.params,
+                                                            shd.cache, sh._place_batch(bad, shd.mesh))
+    if int(np.asarray(status)[0]) == 0 or np.any(np.asarray(out)):
+        fail(f"refused step: status {np.asarray(status)}, output not all zero")
+    print("  padding rows and a refused step output zeros (non-finite hidden there)", flush=True)
 
 
 def refused_steps(fam, shd, ref, rng, dp):
