@@ -275,7 +275,8 @@ def padding_rows_zero(fam, shd, rng, dp):
     for d in range(dp):
         real[d * T:d * T + qsl[d, -1]] = True
     h[~real] = np.array([np.nan, np.inf, -np.inf])[np.arange(int((~real).sum())) % 3][:, None]
-    out, shd.cache, status = shd.engine.prefill_with_status(sh._place_if_host(h, shd.mesh, shd.engine._array_specs[0]), shd.params, shd.cache,
+    place = lambda a: sh._place_if_host(a, shd.mesh, shd.engine._array_specs[0])  # noqa: E731
+    out, shd.cache, status = shd.engine.prefill_with_status(place(h), shd.params, shd.cache,
                                                             sh._place_batch(hb, shd.mesh))
     out = np.asarray(out)
     if int(np.asarray(status)[0]) != 0 or not np.all(np.isfinite(out[real])) or np.any(out[~real]):
@@ -284,8 +285,8 @@ def padding_rows_zero(fam, shd, rng, dp):
     idx = meta.state_indices.copy()
     idx[0, 0, 0] = N                                    # past the shard's slots: refused everywhere
     bad = type(meta)(**{**{f: getattr(meta, f) for f in meta.__dataclass_fields__}, "state_indices": idx})
-    out, shd.cache, status = shd.engine.prefill_with_status(sh._place_if_host(np.full_like(h, np.nan), shd.mesh, shd.engine._array_specs[0]), shd.params,
-                                                            shd.cache, sh._place_batch(bad, shd.mesh))
+    out, shd.cache, status = shd.engine.prefill_with_status(place(np.full_like(h, np.nan)), shd.params, shd.cache,
+                                                            sh._place_batch(bad, shd.mesh))
     if int(np.asarray(status)[0]) == 0 or np.any(np.asarray(out)):
         fail(f"refused step: status {np.asarray(status)}, output not all zero")
     print("  padding rows and a refused step output zeros (non-finite hidden there)", flush=True)

@@ -1370,7 +1370,7 @@ void test_amx_linear_panels(std::mt19937& rng) {
       const std::vector<uint16_t> wp = pack_w(w, in, out);
       const std::vector<double> ref = linear_f64(x, w, T, in, out);
       const size_t esz = ydt == DType::f32 ? 4 : 2, ybytes = size_t(T * out) * esz, guard = 64;
-      const int64_t pair_bytes = (in + 1) / 2 * 2 * 16 * 2 * 2;
+      const int64_t pair_bytes = (in + 1) / 2 * 2 * 16 * 2 * 2;  // a block pair of wp: 2 x 16 rows of in (even)
       ThreadedParallel tp{3};
       std::vector<std::vector<uint8_t>> ys;
       for (auto run : {std::array<int64_t, 3>{0, 0, 1}, {64, 2 * pair_bytes, 1}, {64, 2 * pair_bytes, 3},
