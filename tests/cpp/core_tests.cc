@@ -1357,7 +1357,7 @@ void test_amx_model_faults() {
 // The packed projection's tile paths through the model, at sizes the kernel table sends to the
 // unpacked tiles: x packed in panels of 64 rows (several panels, the last partial) with w
 // groups of 2 block pairs (several groups, the last short, a last pair of one block) and with
-// the defaults (one panel, one group), against float64 and bit for bit against the unpacked
+// the defaults (8 MiB of packed x a panel: one panel; one group), against float64 and bit for bit against the unpacked
 // tiles (every row count here stays on tiles there: the rows left after the 16-row tiles are
 // 0 or at least kAmxMinRows), on 1 and 3 threads; nothing written past y.
 void test_amx_linear_panels(std::mt19937& rng) {
@@ -1374,7 +1374,7 @@ void test_amx_linear_panels(std::mt19937& rng) {
       ThreadedParallel tp{3};
       std::vector<std::vector<uint8_t>> ys;
       for (auto run : {std::array<int64_t, 3>{0, 0, 1}, {64, 2 * pair_bytes, 1}, {64, 2 * pair_bytes, 3},
-                       {1024, int64_t(1) << 20, 3}}) {
+                       {-1, int64_t(1) << 20, 3}}) {
         std::vector<uint8_t> y(ybytes + guard, 0xAB);
         LinearArgs p{DType::bf16, DType::bf16, ydt, x.ptr(DType::bf16), wp.data(), y.data(), T, in, out};
         am::linear_packed_tiles(p, run[2] == 3 ? tp.par() : Parallel{}, run[0], run[1]);

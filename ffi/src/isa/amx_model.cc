@@ -29,8 +29,9 @@ void linear_packed_tiles(const LinearArgs& p, const Parallel& par, int64_t panel
   const bool y_bf16 = p.y_dtype == DType::bf16;
   if (panel_rows == 0 && y_bf16) return amx_model::linear_packed_amx<bf16>(p, par);
   if (panel_rows == 0) return amx_model::linear_packed_amx<float>(p, par);
-  if (y_bf16) return amx_model::linear_packed_amx_panels<bf16>(p, par, panel_rows, group_bytes);
-  amx_model::linear_packed_amx_panels<float>(p, par, panel_rows, group_bytes);
+  const int64_t rows = panel_rows < 0 ? 0 : panel_rows;
+  if (y_bf16) return amx_model::linear_packed_amx_panels<bf16>(p, par, rows, group_bytes);
+  amx_model::linear_packed_amx_panels<float>(p, par, rows, group_bytes);
 }
 
 #define GDN_SPLIT_GEMM gemm_amx

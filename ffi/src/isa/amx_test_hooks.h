@@ -29,8 +29,9 @@ void gemm(int parts, bool out_bf16, int M, int N, int P, const float* A, int64_t
           const float* crs, void* Cout, int64_t ldo, int64_t bso, int shape);
 
 // The packed projection's tile paths (kernels/linear_packed.h), bf16 x, whatever x's size:
-// panel_rows 0 the unpacked tiles (linear_packed_amx), else x packed in panels of panel_rows
-// rows with items over w groups of at most group_bytes (linear_packed_amx_panels).
+// panel_rows 0 the unpacked tiles (linear_packed_amx), -1 x packed in the default panels, else
+// in panels of panel_rows rows; items over w groups of at most group_bytes
+// (linear_packed_amx_panels).
 void linear_packed_tiles(const LinearArgs& p, const Parallel& par, int64_t panel_rows, int64_t group_bytes);
 
 }  // namespace amx_model_test

@@ -333,7 +333,7 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
 // pair, and the next row pair's A is prefetched into L2 while an item runs (ffi/README.md,
 // AMX-BF16, "Prefill-sized T").
 constexpr int64_t kAmxPackMinXBytes = int64_t(2) << 20;  // x past one core's L2
-constexpr int64_t kAmxPanelRows = 1024;                  // x rows packed at a time: 8 MiB at in = 4096
+constexpr int64_t kAmxPanelBytes = int64_t(8) << 20;     // packed x at a time: 2048 rows at in = 2048
 constexpr int64_t kAmxGroupBytes = int64_t(1) << 20;     // w of an item's block pairs: half the L2
 
 // Row tiles [rt0, rt1) of rows [0, rows) of x into tile order: xp[rt][d][r][e] = x[16 rt + r,
@@ -358,9 +358,10 @@ inline void amx_pack_x(const bf16* x, int64_t in, int64_t rows, int64_t nd, int6
     }
 }
 
-// panel_rows, group_bytes: kAmxPanelRows, kAmxGroupBytes (the tests pass small ones).
+// panel_rows: 0 for kAmxPanelBytes of packed x (whole row pairs, at least one); group_bytes:
+// kAmxGroupBytes (the tests pass small ones of both).
 template <class TY>
-void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t panel_rows = kAmxPanelRows,
+void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t panel_rows = 0,
                               int64_t group_bytes = kAmxGroupBytes) {
   const bf16* x = static_cast<const bf16*>(p.x);
   const bf16* wp = static_cast<const bf16*>(p.w);
@@ -370,6 +371,8 @@ void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t 
   const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock, n_pairs = (n_blocks + 1) / 2;
   const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock, nd = (in + kDepth - 1) / kDepth;
   const int64_t pair_bytes = 2 * bstride * int64_t(sizeof(bf16));
+  if (panel_rows <= 0)  // whole row pairs: 2 row tiles of nd tiles each
+    panel_rows = std::max<int64_t>(1, kAmxPanelBytes / (2 * nd * kTileElems * int64_t(sizeof(bf16)))) * 2 * kTileRows;
   const int64_t group = std::max<int64_t>(1, std::min(n_pairs, group_bytes / pair_bytes));
   const int64_t n_groups = (n_pairs + group - 1) / group;
   const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
