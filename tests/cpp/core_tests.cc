@@ -1357,9 +1357,10 @@ void test_amx_model_faults() {
 // The packed projection's tile paths through the model, at sizes the kernel table sends to the
 // unpacked tiles: x packed in panels of 64 rows (several panels, the last partial) with w
 // groups of 2 block pairs (several groups, the last short, a last pair of one block) and with
-// the defaults (8 MiB of packed x a panel: one panel; one group), against float64 and bit for bit against the unpacked
-// tiles (every row count here stays on tiles there: the rows left after the 16-row tiles are
-// 0 or at least kAmxMinRows), on 1 and 3 threads; nothing written past y.
+// the defaults (panels of 8 MiB of packed x: one panel here; one group), against float64 and
+// bit for bit against the unpacked tiles (every row count here stays on tiles there: the rows
+// left after the 16-row tiles are 0 or at least kAmxMinRows), on 1 and 3 threads; nothing
+// written past y.
 void test_amx_linear_panels(std::mt19937& rng) {
   for (auto s : {std::array<int64_t, 3>{150, 100, 600}, {37, 64, 40}, {70, 33, 17}, {64, 2048, 32}})
     for (DType ydt : {DType::f32, DType::bf16}) {
