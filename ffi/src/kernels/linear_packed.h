@@ -179,6 +179,9 @@ void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
 // there are kAmxMinRows of them, else the vector step (another order; the split depends only
 // on T).
 
+constexpr int64_t kAmxDepth = 2 * kTileRows;  // elements of `in` per step: 16 pairs
+static_assert(kAmxTileElems == kTileRows * kAmxDepth, "a packed A tile: 16 rows of one step (amx_gemm.h)");
+
 // Where a tile's A rows are: row tile 0's depth step d at a + d * step, rows `stride` bytes
 // apart, row tile 1 `tile2` elements after row tile 0; padded: zero past `in` (packed x).
 struct AmxRows {
@@ -212,8 +215,7 @@ inline void amx_packed_tile(int rows, int nb, const AmxRows& A, const bf16* wb, 
       if (nb == 2) tile_dpbf16ps<3, 5, 7>();
     }
   };
-  constexpr int64_t kDepth = 2 * kTileRows;  // elements of `in` per step: 16 pairs
-  const int64_t full = in / kDepth, pair_elems = 2 * kPackBlock;
+  const int64_t full = in / kAmxDepth, pair_elems = 2 * kPackBlock;
   const int64_t pf_per_step = full > 0 ? (pf_lines + full - 1) / full : 0;
   for (int64_t d = 0; d < full; ++d) {
     for (int64_t l = d * pf_per_step; l < std::min(pf_lines, (d + 1) * pf_per_step); ++l)
@@ -222,7 +224,7 @@ inline void amx_packed_tile(int rows, int nb, const AmxRows& A, const bf16* wb, 
     step(a, A.stride, a + A.tile2, wb + d * kTileRows * pair_elems,
          wb + (nb == 2 ? bstride : 0) + d * kTileRows * pair_elems);
   }
-  if (const int64_t rem = in - full * kDepth; rem > 0) {
+  if (const int64_t rem = in - full * kAmxDepth; rem > 0) {
     alignas(64) bf16 b[2][kTileRows * 2 * kPackBlock];
     std::memset(static_cast<void*>(b), 0, sizeof b);
     const int64_t pairs = (rem + 1) / 2;  // the packing's zero pads an odd `in`
@@ -231,14 +233,12 @@ inline void amx_packed_tile(int rows, int nb, const AmxRows& A, const bf16* wb, 
     if (A.padded) {
       const bf16* a = A.a + full * A.step;
       step(a, A.stride, a + A.tile2, b[0], b[1]);
-    } else {
-      alignas(64) bf16 a[2 * kTileRows][kDepth];
+    } else {  // unpacked: row r at A.a + r * stride
+      alignas(64) bf16 a[2 * kTileRows][kAmxDepth];
       std::memset(static_cast<void*>(a), 0, sizeof a);
       for (int r = 0; r < rows; ++r)
-        std::memcpy(a[r], A.a + (r / kTileRows) * A.tile2 + (r % kTileRows) * (A.stride / int64_t(sizeof(bf16))) +
-                              full * A.step,
-                    size_t(rem) * sizeof(bf16));
-      step(&a[0][0], kDepth * int64_t(sizeof(bf16)), &a[kTileRows][0], b[0], b[1]);
+        std::memcpy(a[r], A.a + r * (A.stride / int64_t(sizeof(bf16))) + full * A.step, size_t(rem) * sizeof(bf16));
+      step(&a[0][0], kAmxDepth * int64_t(sizeof(bf16)), &a[kTileRows][0], b[0], b[1]);
     }
   }
   alignas(64) float stage[2 * kTileRows][2 * kPackBlock];
@@ -259,8 +259,7 @@ inline void amx_packed_tile(int rows, int nb, const AmxRows& A, const bf16* wb, 
 
 // Unpacked x rows from row t: 16-row tiles `in` elements apart per row.
 inline AmxRows amx_x_rows(const bf16* x, int64_t in, int64_t t) {
-  constexpr int64_t kDepth = 2 * kTileRows;
-  return {x + t * in, kDepth, in * int64_t(sizeof(bf16)), kTileRows * in, false};
+  return {x + t * in, kAmxDepth, in * int64_t(sizeof(bf16)), kTileRows * in, false};
 }
 
 // Fewest rows left after the 16-row tiles that take a tile of their own height.
@@ -339,21 +338,21 @@ constexpr int64_t kAmxGroupBytes = int64_t(1) << 20;     // w of an item's block
 // Row tiles [rt0, rt1) of rows [0, rows) of x into tile order: xp[rt][d][r][e] = x[16 rt + r,
 // 32 d + e], zero past `rows` and past `in`; nd = ceil(in / 32) depth steps.
 inline void amx_pack_x(const bf16* x, int64_t in, int64_t rows, int64_t nd, int64_t rt0, int64_t rt1, bf16* xp) {
-  constexpr int64_t kDepth = 2 * kTileRows, kTileElems = kTileRows * kDepth;
-  const int64_t full = in / kDepth, rem = in - full * kDepth;
+  const int64_t full = in / kAmxDepth, rem = in - full * kAmxDepth;
   for (int64_t rt = rt0; rt < rt1; ++rt)
     for (int r = 0; r < kTileRows; ++r) {
       const int64_t t = rt * kTileRows + r;
-      bf16* dst = xp + rt * nd * kTileElems + r * kDepth;
+      bf16* dst = xp + rt * nd * kAmxTileElems + r * kAmxDepth;
       if (t >= rows) {
-        for (int64_t d = 0; d < nd; ++d) std::memset(dst + d * kTileElems, 0, kDepth * sizeof(bf16));
+        for (int64_t d = 0; d < nd; ++d) std::memset(dst + d * kAmxTileElems, 0, kAmxDepth * sizeof(bf16));
         continue;
       }
       const bf16* src = x + t * in;
-      for (int64_t d = 0; d < full; ++d) std::memcpy(dst + d * kTileElems, src + d * kDepth, kDepth * sizeof(bf16));
+      for (int64_t d = 0; d < full; ++d)
+        std::memcpy(dst + d * kAmxTileElems, src + d * kAmxDepth, kAmxDepth * sizeof(bf16));
       if (rem > 0) {
-        std::memset(dst + full * kTileElems, 0, kDepth * sizeof(bf16));
-        std::memcpy(dst + full * kTileElems, src + full * kDepth, size_t(rem) * sizeof(bf16));
+        std::memset(dst + full * kAmxTileElems, 0, kAmxDepth * sizeof(bf16));
+        std::memcpy(dst + full * kAmxTileElems, src + full * kAmxDepth, size_t(rem) * sizeof(bf16));
       }
     }
 }
@@ -367,18 +366,17 @@ void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t 
   const bf16* wp = static_cast<const bf16*>(p.w);
   TY* y = static_cast<TY*>(p.y);
   const int64_t T = p.T, in = p.in, out = p.out;
-  constexpr int64_t kDepth = 2 * kTileRows, kTileElems = kTileRows * kDepth;
   const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock, n_pairs = (n_blocks + 1) / 2;
-  const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock, nd = (in + kDepth - 1) / kDepth;
+  const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock, nd = (in + kAmxDepth - 1) / kAmxDepth;
   const int64_t pair_bytes = 2 * bstride * int64_t(sizeof(bf16));
-  if (panel_rows <= 0)  // whole row pairs: 2 row tiles of nd tiles each
-    panel_rows = std::max<int64_t>(1, kAmxPanelBytes / (2 * nd * kTileElems * int64_t(sizeof(bf16)))) * 2 * kTileRows;
+  const int64_t row_pair_bytes = 2 * nd * kAmxTileElems * int64_t(sizeof(bf16));  // packed: 2 row tiles
+  if (panel_rows <= 0) panel_rows = std::max<int64_t>(1, kAmxPanelBytes / row_pair_bytes) * 2 * kTileRows;
   const int64_t group = std::max<int64_t>(1, std::min(n_pairs, group_bytes / pair_bytes));
   const int64_t n_groups = (n_pairs + group - 1) / group;
   const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
   // The calling thread's scratch (no allocation per call); the workers fill and read it.
   const int64_t max_rt = (std::min(T, panel_rows) + kTileRows - 1) / kTileRows;
-  bf16* xp = thread_scratch<bf16, 6>(max_rt * nd * kTileElems);
+  bf16* xp = thread_scratch<bf16, 6>(max_rt * nd * kAmxTileElems);
   for (int64_t t0 = 0; t0 < T; t0 += panel_rows) {
     const int64_t rows = std::min(panel_rows, T - t0);
     const int64_t n_rt = (rows + kTileRows - 1) / kTileRows, n_rp = (n_rt + 1) / 2;
@@ -390,13 +388,13 @@ void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t 
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t q0 = (i / n_rp) * group, q1 = std::min(n_pairs, q0 + group), rp = i % n_rp;
         const int r_rows = int(std::min<int64_t>(2 * kTileRows, rows - rp * 2 * kTileRows));
-        const AmxRows A{xp + 2 * rp * nd * kTileElems, kTileElems, kDepth * int64_t(sizeof(bf16)), nd * kTileElems,
-                        true};
+        const AmxRows A{xp + 2 * rp * nd * kAmxTileElems, kAmxTileElems, kAmxDepth * int64_t(sizeof(bf16)),
+                        nd * kAmxTileElems, true};
         // The next item's A (the next row pair; past the last, the first) into L2, spread over
         // this item's tiles. Past a last single row tile the lines lie past xp: a prefetch does
         // not fault.
-        const char* next = reinterpret_cast<const char*>(xp + 2 * ((rp + 1) % n_rp) * nd * kTileElems);
-        const int64_t a_lines = 2 * nd * kTileElems * int64_t(sizeof(bf16)) / 64;
+        const char* next = reinterpret_cast<const char*>(xp + 2 * ((rp + 1) % n_rp) * nd * kAmxTileElems);
+        const int64_t a_lines = row_pair_bytes / 64;
         const int64_t per_q = (a_lines + q1 - q0 - 1) / (q1 - q0);
         for (int64_t q = q0; q < q1; ++q) {
           const int64_t b0 = 2 * q, l0 = (q - q0) * per_q;
@@ -417,9 +415,10 @@ inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
   // From kAmxMinRows rows on tiles (else the vector step's 8 x 3 tile): x past L2 packed first,
   // decode-sized T on short tiles. Both tile paths give the same bits.
   if constexpr (std::is_same_v<TX, bf16>) {
-    if (p.T >= kAmxMinRows && p.out > 0 && p.T * p.in * int64_t(sizeof(bf16)) >= kAmxPackMinXBytes)
-      return linear_packed_amx_panels<TY>(p, par);
-    if (p.T >= kAmxMinRows && p.out > 0) return linear_packed_amx<TY>(p, par);
+    if (p.T >= kAmxMinRows && p.out > 0) {
+      if (p.T * p.in * int64_t(sizeof(bf16)) >= kAmxPackMinXBytes) return linear_packed_amx_panels<TY>(p, par);
+      return linear_packed_amx<TY>(p, par);
+    }
   }
 #endif
   if constexpr (std::is_same_v<TX, bf16>) return linear_packed_steps<PackedBf16Step, TX, TY>(p, par);
