@@ -183,10 +183,12 @@ def linear(x, w, out_dtype=None):
     return call(x, w)
 
 
-def linear_packed(x, w_data, n_out: int, out_dtype=None):
-    """x [T, in] @ w.T -> [T, n_out] with w packed (ops.pack_linear_weight; ``w_data``
-    [ceil(n_out / 16), ceil(in / 2), 16, 2] bf16); as :func:`linear` otherwise."""
+def linear_packed(x, w_datas, n_outs, out_dtype=None):
+    """x [T, in] @ w_i.T -> tuple of [T, n_outs[i]], each w_i packed (ops.pack_linear_weight;
+    ``w_datas[i]`` [ceil(n_outs[i] / 16), ceil(in / 2), 16, 2] bf16), 1 to 8 of them in one
+    call (x read once); as :func:`linear` otherwise."""
     require_native()
-    out = jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype if out_dtype is None else out_dtype)
-    call = jax.ffi.ffi_call(TARGET_PREFIX + "linear_packed", out, vmap_method="sequential")
-    return call(x, w_data)
+    dt = x.dtype if out_dtype is None else out_dtype
+    outs = [jax.ShapeDtypeStruct((x.shape[0], int(n)), dt) for n in n_outs]
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "linear_packed", outs, vmap_method="sequential")
+    return tuple(call(x, *w_datas))

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _checks
 from .config import GDNCache, GDNConfig, GDNParams, _check_array
-from .ops import PackedLinearWeight, linear, pack_linear_weight, packed_shape
+from .ops import PackedLinearWeight, linear, merged_linear, pack_linear_weight, packed_shape
 from .paths import STEP_KINDS, GDNAttention, _step, _unwrap, check_status
 
 __all__ = ["GDNLayerConfig", "GDNLayerParams", "GatedDeltaNetLayer", "LAYER_STEPS", "MODEL_FAMILIES",
@@ -50,6 +50,9 @@ MODEL_FAMILIES = {
 # The projections GDNLayerParams.packed packs: all but in_proj_b and in_proj_a (HV rows each,
 # ~1% of the weights; under tensor parallelism fewer rows per shard than a block of 16).
 PACKED_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "out_proj")
+# From this many tokens the layer packs in_proj_b and in_proj_a inside the step, to run them in
+# in_proj's one native call (below it, packing them each step costs more than it saves).
+PACK_BA_MIN_TOKENS = 64
 
 # Layer step name -> the core step kind it runs (gdn_jax.paths.STEP_KINDS).
 LAYER_STEPS = {"prefill": "prefill", "decode": "decode", "spec_decode": "spec_decode",
@@ -233,9 +236,20 @@ def in_projection(config: GDNLayerConfig, params: GDNLayerParams, hidden, impl: 
 
     ``impl`` of the projections (:func:`gdn_jax.ops.linear`, bf16 weights); the layer passes its own."""
     T = hidden.shape[0]
-    z = _project(hidden, params.in_proj_z, impl).reshape(T, config.HV, config.V)
-    return (_project(hidden, params.in_proj_qkv, impl), z, _project(hidden, params.in_proj_b, impl),
-            _project(hidden, params.in_proj_a, impl))
+    qkv_w, z_w, b_w, a_w = params.in_proj_qkv, params.in_proj_z, params.in_proj_b, params.in_proj_a
+    if impl != "reference" and isinstance(qkv_w, PackedLinearWeight) and isinstance(z_w, PackedLinearWeight):
+        # One native call, hidden read (on AMX copied into tile order) once. in_proj_b / _a are
+        # never stored packed (PACKED_PROJECTIONS); from PACK_BA_MIN_TOKENS tokens they are
+        # packed here (2 HV rows, <1% of the weights) and join the call, on AMX tiles there
+        # (benchmarks/LAYER_NOTES.md, "One call for in_proj").
+        pack_ba = T >= PACK_BA_MIN_TOKENS and all(jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16) for w in (b_w, a_w))
+        ws = [qkv_w, z_w] + ([pack_linear_weight(b_w), pack_linear_weight(a_w)] if pack_ba else [])
+        ys = merged_linear(hidden, ws, impl=impl)
+        mixed_qkv, z = ys[:2]
+        b, a = ys[2:] if pack_ba else (_project(hidden, b_w, impl), _project(hidden, a_w, impl))
+    else:
+        mixed_qkv, z, b, a = (_project(hidden, w, impl) for w in (qkv_w, z_w, b_w, a_w))
+    return mixed_qkv, z.reshape(T, config.HV, config.V), b, a
 
 
 def gated_rms_norm(o, z, weight, eps: float):

@@ -227,12 +227,12 @@ def pack_linear_weight(w) -> PackedLinearWeight:
     return PackedLinearWeight(jnp.transpose(wp.reshape(nb, PACK_BLOCK, np_, 2), (0, 2, 1, 3)), (n_out, n_in))
 
 
-def _check_packed(w: PackedLinearWeight, n_in: int) -> int:
+def _check_packed(w: PackedLinearWeight, n_in: int, name: str = "w") -> int:
     n_out, w_in = w.shape
     if w_in != n_in:
-        raise ValueError(f"w must be packed from [out, in] with in={n_in} (the last dim of x), got in={w_in}")
-    C.check_shape("w.data", w.data, packed_shape(n_out, n_in), "[ceil(out / 16), ceil(in / 2), 16, 2]")
-    C.check_dtype("w.data", w.data, (jnp.bfloat16,))
+        raise ValueError(f"{name} must be packed from [out, in] with in={n_in} (the last dim of x), got in={w_in}")
+    C.check_shape(f"{name}.data", w.data, packed_shape(n_out, n_in), "[ceil(out / 16), ceil(in / 2), 16, 2]")
+    C.check_dtype(f"{name}.data", w.data, (jnp.bfloat16,))
     return n_out
 
 
@@ -260,13 +260,55 @@ def linear(x, w, *, out_dtype=None, impl: str = "auto"):
     if out_dtype not in C.ACT_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if resolve_impl(impl) == "native":
-        return _native.linear_packed(x, w.data, n_out, out_dtype) if packed else _native.linear(x, w, out_dtype)
+        return _native.linear_packed(x, [w.data], [n_out], out_dtype)[0] if packed else _native.linear(x, w, out_dtype)
     if packed:  # contract x's pairs with the blocks as stored: no unpacked copy of w
         xp = jnp.pad(x, ((0, 0), (0, w.data.shape[1] * 2 - n_in))).reshape(T, w.data.shape[1], 2)
         y = jnp.einsum("tpk,bpjk->tbj", xp, w.data, preferred_element_type=jnp.float32)
         return y.reshape(T, -1)[:, :n_out].astype(out_dtype)
     y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
+
+
+MERGED_PARTS = 8  # packed weights per native call of merged_linear (ffi kMaxLinearParts)
+
+
+def merged_linear(x, ws, *, out_dtype=None, impl: str = "auto") -> tuple:
+    """Several projections of one x: ``tuple(linear(x, w) for w in ws)``, each output its own
+    array (vLLM's merged column-parallel linear without the concatenation).
+
+    On the native kernels the packed weights run in one call per 8 (x read once, and on AMX
+    copied into tile order once, for all of them; one fork), each output bit for bit what
+    :func:`linear` gives; unpacked weights run as :func:`linear` does.
+
+    Args:
+      x: [T, in] f32 or bf16.
+      ws: a non-empty sequence of weights as :func:`linear` takes them ([out_i, in], or packed).
+      out_dtype: f32 or bf16 for every output; default x's dtype.
+    Returns:
+      tuple of y_i: [T, out_i] ``out_dtype``, in the order of ``ws``.
+    """
+    ws = list(ws) if isinstance(ws, (list, tuple)) else None
+    if not ws:
+        raise TypeError("ws must be a non-empty list or tuple of weights")
+    packed = [i for i, w in enumerate(ws) if isinstance(w, PackedLinearWeight)]
+    if resolve_impl(impl) != "native" or len(packed) < 2:
+        return tuple(linear(x, w, out_dtype=out_dtype, impl=impl) for w in ws)
+    T, n_in = C.check_rank("x", x, 2, "[T, in]")
+    C.check_dtype("x", x, C.ACT_DTYPES)
+    n_outs = [_check_packed(ws[i], n_in, f"ws[{i}]") for i in packed]
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if out_dtype not in C.ACT_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    ys = [None] * len(ws)
+    for k in range(0, len(packed), MERGED_PARTS):
+        idx = packed[k:k + MERGED_PARTS]
+        got = _native.linear_packed(x, [ws[i].data for i in idx], n_outs[k:k + MERGED_PARTS], out_dtype)
+        for i, y in zip(idx, got):
+            ys[i] = y
+    for i, w in enumerate(ws):
+        if ys[i] is None:
+            ys[i] = linear(x, w, out_dtype=out_dtype, impl=impl)
+    return tuple(ys)
 
 
 # --- causal conv -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 
 import f64_math as F
 from gdn_jax import GDNCache, GDNConfig, InvalidBatchError, Request, build_batch
-from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams, gated_rms_norm
+from gdn_jax.layer import PACK_BA_MIN_TOKENS, GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams, gated_rms_norm
 from gdn_jax.checkpoint import load_layer_params, save_checkpoint
 from gdn_jax.ops import PackedLinearWeight, pack_linear_weight
 from serve_helpers import IMPLS, NATIVE_READY, cache_bits, impl_context, oracle_step, to_np64
@@ -93,15 +93,18 @@ def _mixed_requests():
             Request.spec((8, 9, 10), 3, num_accepted=2)]
 
 
-# Packed projections (GDNLayerParams.packed) exist for bf16 weights only.
-STEP_CASES = [pytest.param(p.values[0], act, packed, id=f"{p.id}-{act}" + ("-packed" if packed else ""),
+# Packed projections (GDNLayerParams.packed) exist for bf16 weights only; with them a bucket of
+# PACK_BA_MIN_TOKENS tokens or more also packs in_proj_b / _a into in_proj's one call.
+STEP_CASES = [pytest.param(p.values[0], act, packed, bucket,
+                           id=f"{p.id}-{act}" + ("-packed" if packed else "") + (f"-T{bucket}" if bucket != 24 else ""),
                            marks=[pytest.mark.slow] if (p.id == "reference" and act == "bfloat16") else [])
               for p in IMPLS for act in ("float32", "bfloat16") for packed in (False, True)
+              for bucket in ((24, PACK_BA_MIN_TOKENS) if packed else (24,))
               if act == "bfloat16" or not packed]
 
 
-@pytest.mark.parametrize("impl_isa,act,packed", STEP_CASES)
-def test_layer_step_matches_f64(impl_isa, act, packed):
+@pytest.mark.parametrize("impl_isa,act,packed,bucket", STEP_CASES)
+def test_layer_step_matches_f64(impl_isa, act, packed, bucket):
     cfg = make_cfg(jnp.dtype(act))
     rng = np.random.default_rng(2)
     params = GDNLayerParams.random(cfg, jax.random.key(3))
@@ -110,8 +113,8 @@ def test_layer_step_matches_f64(impl_isa, act, packed):
     ssm0 = (0.1 * rng.standard_normal(cfg.core.ssm_state_shape(N))).astype(np.float32)
     cache = GDNCache(conv_state=jnp.asarray(conv0, cfg.act_dtype), ssm_state=jnp.asarray(ssm0))
     start = (to_np64(cache.conv_state), to_np64(cache.ssm_state))
-    hb = build_batch(_mixed_requests(), num_slots=N, num_spec=2, token_bucket=24, row_bucket=6)
-    hidden = jnp.asarray(rng.standard_normal((24, HIDDEN)), cfg.act_dtype)
+    hb = build_batch(_mixed_requests(), num_slots=N, num_spec=2, token_bucket=bucket, row_bucket=6)
+    hidden = jnp.asarray(rng.standard_normal((bucket, HIDDEN)), cfg.act_dtype)
     want, conv, ssm = layer_oracle(cfg, params, start, hb, hidden)
     with impl_context(impl_isa) as impl:
         out, cache = GatedDeltaNetLayer(cfg, impl).mixed(hidden, params.packed() if packed else params, cache, hb)
@@ -120,6 +123,21 @@ def test_layer_step_matches_f64(impl_isa, act, packed):
     assert not np.any(np.asarray(out, np.float32)[hb.num_tokens:])
     touched = [0, 4, 6, 8, 9, 10]
     assert F.rel_rmse(to_np64(cache.ssm_state)[touched], ssm[touched]) <= (1e-5 if act == "float32" else 1e-2)
+
+
+@pytest.mark.skipif(not NATIVE_READY, reason="native extension not built")
+@pytest.mark.parametrize("bucket", [24, PACK_BA_MIN_TOKENS])
+def test_packed_in_proj_is_one_call(bucket):
+    """With packed weights in_proj is one gdn_jax_linear_packed call (qkv and z; b and a too from
+    PACK_BA_MIN_TOKENS tokens, else [out, in] calls of their own), out_proj another."""
+    cfg = make_cfg(jnp.dtype(jnp.bfloat16))
+    params = GDNLayerParams.random(cfg, jax.random.key(3)).packed()
+    cache = GDNCache.create(cfg.core, 12)
+    hb = build_batch(_mixed_requests(), num_slots=12, num_spec=2, token_bucket=bucket, row_bucket=6)
+    hidden = jnp.zeros((bucket, HIDDEN), jnp.bfloat16)
+    hlo = GatedDeltaNetLayer(cfg, "native").mixed_with_status.lower(hidden, params, cache, hb.metadata).as_text()
+    assert hlo.count("@gdn_jax_linear_packed(") == 2
+    assert hlo.count("@gdn_jax_linear(") == (0 if bucket >= PACK_BA_MIN_TOKENS else 2)
 
 
 def _one_prefill(impl, seed, n):

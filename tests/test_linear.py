@@ -1,4 +1,7 @@
-"""gdn_jax.ops.linear (the layer's projections): native (every ISA here) against float64."""
+"""gdn_jax.ops.linear and merged_linear (the layer's projections): native (every ISA here) against
+float64."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +9,7 @@ import pytest
 
 import gdn_jax
 from f64_math import bf16_round, rel_rmse
-from gdn_jax.ops import PackedLinearWeight, linear, pack_linear_weight
+from gdn_jax.ops import PackedLinearWeight, linear, merged_linear, pack_linear_weight
 
 ISAS = gdn_jax.available_isas()
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -107,6 +110,59 @@ def test_packed_matches_f64(isa, x_dtype, out_dtype, T, n_in, n_out):
     _check(y, x @ w.T, jnp.dtype(out_dtype))
 
 
+@pytest.mark.parametrize("isa", ISAS + ["reference"])
+@pytest.mark.parametrize("x_dtype", DTYPES)
+# Decode-sized, row blocks, and 520 x 2048 (AMX: x packed once for all parts); 10 weights take
+# two native calls (8 per call); an unpacked weight among packed ones; a part of 0 outputs.
+@pytest.mark.parametrize("T,n_in,n_outs", [(1, 17, (9, 0, 40)), (8, 64, (50, 16, 1, 33)),
+                                           (67, 257, (130, 7) * 5), (520, 2048, (40, 32, 32))])
+def test_merged_matches_linear_and_f64(isa, x_dtype, T, n_in, n_outs):
+    rng = np.random.default_rng(T + n_in + len(n_outs))
+    x = jnp.asarray(bf16_round(rng.normal(size=(T, n_in))), x_dtype)
+    w64 = [bf16_round(rng.normal(size=(n, n_in)) * 0.05) for n in n_outs]
+    ws = [pack_linear_weight(jnp.asarray(w, jnp.bfloat16)) for w in w64]
+    if T == 8:
+        ws[1] = jnp.asarray(w64[1], jnp.bfloat16)   # unpacked: its own linear call
+    impl = "reference" if isa == "reference" else "native"
+    merged = jax.jit(lambda x_, ws_: merged_linear(x_, ws_, impl=impl))
+    alone = jax.jit(lambda x_, w_: linear(x_, w_, impl=impl))
+    with contextlib.nullcontext() if isa == "reference" else gdn_jax.use_isa(isa):
+        ys = merged(x, ws)
+        singles = [alone(x, w) for w in ws]
+    assert isinstance(ys, tuple) and len(ys) == len(ws)
+    x64 = np.asarray(x, np.float64)
+    for y, y1, w in zip(ys, singles, w64):
+        if w.shape[0] == 0:
+            assert y.shape == (T, 0) and y.dtype == jnp.dtype(x_dtype)
+        else:
+            _check(y, x64 @ w.T, jnp.dtype(x_dtype))
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y1, np.float32))   # bit for bit
+
+
+@pytest.mark.skipif(not gdn_jax.native_available(), reason="native extension not built")
+def test_merged_is_one_native_call():
+    """Packed weights of one x in one custom call: what the layer's in_proj relies on."""
+    x = jnp.zeros((4, 32), jnp.bfloat16)
+    ws = [pack_linear_weight(jnp.zeros((n, 32), jnp.bfloat16)) for n in (48, 16, 8, 8)]
+    hlo = jax.jit(lambda x_, ws_: merged_linear(x_, ws_, impl="native")).lower(x, ws).as_text()
+    assert hlo.count("@gdn_jax_linear_packed(") == 1
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_merged_errors_name_the_argument(impl):
+    x = jnp.zeros((2, 8), jnp.bfloat16)
+    wp = pack_linear_weight(jnp.zeros((20, 8), jnp.bfloat16))
+    with pytest.raises(TypeError, match="ws must be a non-empty list or tuple"):
+        merged_linear(x, [], impl=impl)
+    with pytest.raises(TypeError, match="ws must be a non-empty list or tuple"):
+        merged_linear(x, wp, impl=impl)
+    other = pack_linear_weight(jnp.zeros((4, 7), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"(ws\[1\]|w) must be packed from .* in=8"):
+        merged_linear(x, [wp, other], impl=impl)
+    with pytest.raises(TypeError, match="out_dtype must be float32 or bfloat16"):
+        merged_linear(x, [wp, wp], out_dtype=jnp.int32, impl=impl)
+
+
 @pytest.mark.parametrize("n_out,n_in", [(1, 1), (9, 17), (32, 64), (33, 3)])
 def test_pack_layout_and_round_trip(n_out, n_in):
     rng = np.random.default_rng(n_out + n_in)
@@ -166,3 +222,25 @@ def test_handlers_refuse_bad_buffers(target, w, message):
     call = jax.ffi.ffi_call(TARGET_PREFIX + target, jax.ShapeDtypeStruct((2, 3), jnp.float32))
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(call(jnp.zeros((2, 4), jnp.float32), w))
+
+
+@pytest.mark.skipif(not gdn_jax.native_available(), reason="native extension not built")
+def test_packed_handler_refuses_bad_parts():
+    """gdn_jax_linear_packed with several parts: counts, dtypes and shapes, the part named."""
+    from gdn_jax._ffi import TARGET_PREFIX
+    x = jnp.zeros((2, 4), jnp.bfloat16)
+    w = jnp.zeros((1, 2, 16, 2), jnp.bfloat16)
+    f32, bf16 = (jax.ShapeDtypeStruct((2, 3), t) for t in (jnp.float32, jnp.bfloat16))
+
+    def run(outs, *ws):
+        jax.block_until_ready(jax.ffi.ffi_call(TARGET_PREFIX + "linear_packed", outs)(x, *ws))
+    with pytest.raises(Exception, match="needs 1 to 8 packed w and as many results, got 2 w and 1 results"):
+        run([f32], w, w)
+    with pytest.raises(Exception, match="needs 1 to 8 packed w and as many results, got 9 w"):
+        run([f32] * 9, *[w] * 9)
+    with pytest.raises(Exception, match=r"every result must have the first one's dtype \(result 1\)"):
+        run([f32, bf16], w, w)
+    with pytest.raises(Exception, match=r"the packed w 1 must be \[ceil\(out / 16\)"):
+        run([f32, f32], w, jnp.zeros((2, 2, 16, 2), jnp.bfloat16))
+    with pytest.raises(Exception, match="the result 1 must be \\[T, out\\] with T = 2"):
+        run([f32, jax.ShapeDtypeStruct((3, 3), jnp.float32)], w, w)

@@ -187,10 +187,10 @@ void test_linear_packed(const KernelTable& kt, DType xdt, DType ydt, int64_t T, 
   const size_t esz = ydt == DType::f32 ? 4 : 2, ybytes = size_t(T * out) * esz, guard = 64;
   std::vector<uint8_t> y1(ybytes + guard, 0xAB), y3(ybytes + guard, 0xCD);
   LinearArgs p{xdt, DType::bf16, ydt, x.ptr(xdt), wp.data(), y1.data(), T, in, out};
-  kt.linear_packed(p, Parallel{});
+  kt.linear_packed(one_part(p), Parallel{});
   ThreadedParallel tp{3};
   p.y = y3.data();
-  kt.linear_packed(p, tp.par());
+  kt.linear_packed(one_part(p), tp.par());
   const std::vector<double> got = read_act(y1.data(), ydt, size_t(T * out));
   check_linear_y("linear " + tag, got, ref, ydt);
   check_true("linear " + tag + " nothing written past y",
@@ -198,6 +198,56 @@ void test_linear_packed(const KernelTable& kt, DType xdt, DType ydt, int64_t T, 
   y1.resize(ybytes);
   y3.resize(ybytes);
   check_true("linear " + tag + " 3 threads bit-identical", y1 == y3);
+}
+
+// Several packed w of one x in one call (LinearPackedArgs' parts; `outs` may hold a 0): each
+// part bit for bit its own call on 1 and 3 threads, against float64, nothing written past any
+// y. `run(args, par)` is the kernel under test (the table's, or the tile model's panels).
+template <class Run>
+void test_linear_packed_parts(const std::string& name, Run run, DType xdt, DType ydt, int64_t T, int64_t in,
+                              const std::vector<int64_t>& outs, std::mt19937& rng) {
+  std::string tag = name + (xdt == DType::f32 ? " x f32" : " x bf16") + (ydt == DType::f32 ? " y f32 " : " y bf16 ") +
+                    std::to_string(T) + "x" + std::to_string(in) + " x (";
+  for (size_t i = 0; i < outs.size(); ++i) tag += (i ? " " : "") + std::to_string(outs[i]);
+  tag += ")";
+  const Act x(size_t(T * in), rng);
+  const size_t esz = ydt == DType::f32 ? 4 : 2, guard = 64;
+  std::vector<Act> ws;
+  std::vector<std::vector<uint16_t>> wps;
+  std::vector<std::vector<uint8_t>> alone, y1, y3;
+  ThreadedParallel tp{3};
+  LinearPackedArgs p1{xdt, ydt, x.ptr(xdt), T, in, int(outs.size()), {}}, p3 = p1;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const int64_t out = outs[i];
+    const size_t ybytes = size_t(T * out) * esz;
+    ws.emplace_back(size_t(out * in), rng);
+    wps.push_back(pack_w(ws.back(), in, out));
+    alone.emplace_back(ybytes, 0xEF);
+    y1.emplace_back(ybytes + guard, 0xAB);
+    y3.emplace_back(ybytes + guard, 0xAB);
+    LinearArgs a{xdt, DType::bf16, ydt, x.ptr(xdt), wps.back().data(), alone.back().data(), T, in, out};
+    run(one_part(a), Parallel{});
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    p1.parts[i] = {wps[i].data(), y1[i].data(), outs[i]};
+    p3.parts[i] = {wps[i].data(), y3[i].data(), outs[i]};
+  }
+  run(p1, Parallel{});
+  run(p3, tp.par());
+  bool past = true, same = true;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const size_t ybytes = size_t(T * outs[i]) * esz;
+    for (auto* y : {&y1[i], &y3[i]}) {
+      past = past && std::all_of(y->begin() + ybytes, y->end(), [](uint8_t b) { return b == 0xAB; });
+      y->resize(ybytes);
+      same = same && *y == alone[i];
+    }
+    if (outs[i] > 0)
+      check_linear_y(tag + " part " + std::to_string(i), read_act(y1[i].data(), ydt, size_t(T * outs[i])),
+                     linear_f64(x, ws[i], T, in, outs[i]), ydt);
+  }
+  check_true(tag + ": nothing written past any y", past);
+  check_true(tag + ": every part bit for bit its own call, 1 and 3 threads", same);
 }
 
 // --- gating -----------------------------------------------------------------------------
@@ -1378,7 +1428,7 @@ void test_amx_linear_panels(std::mt19937& rng) {
                        {-1, int64_t(1) << 20, 3}}) {
         std::vector<uint8_t> y(ybytes + guard, 0xAB);
         LinearArgs p{DType::bf16, DType::bf16, ydt, x.ptr(DType::bf16), wp.data(), y.data(), T, in, out};
-        am::linear_packed_tiles(p, run[2] == 3 ? tp.par() : Parallel{}, run[0], run[1]);
+        am::linear_packed_tiles(one_part(p), run[2] == 3 ? tp.par() : Parallel{}, run[0], run[1]);
         check_true(tag + " nothing written past y (panel " + std::to_string(run[0]) + ", " + std::to_string(run[2]) +
                        " thread" + (run[2] == 1 ? ")" : "s)"),
                    std::all_of(y.begin() + ybytes, y.end(), [](uint8_t b) { return b == 0xAB; }));
@@ -1658,6 +1708,11 @@ int main() {
     test_amx_model_faults();
     test_split_gemm("amx gemm", am::gemm, rng);
     test_amx_linear_panels(rng);
+    for (auto run : {std::array<int64_t, 2>{64, 2 * 4096}, {-1, int64_t(1) << 20}})
+      test_linear_packed_parts(
+          "amx linear panels parts (panel " + std::to_string(run[0]) + ")",
+          [&](const LinearPackedArgs& a, const Parallel& par) { am::linear_packed_tiles(a, par, run[0], run[1]); },
+          DType::bf16, DType::bf16, 150, 64, {100, 0, 33, 16, 7}, rng);
     test_amx_dispatch();
   }
 #endif
@@ -1745,6 +1800,15 @@ int main() {
                        {80, 64, 33}, {20, 64, 40}, {21, 64, 40}, {87, 33, 40}, {70, 40, 70}, {15, 2048, 32},
                        {520, 2048, 40}})
           test_linear_packed(kt, xdt, ydt, s[0], s[1], s[2], rng);
+    // Parts: decode-sized T (the vector step; on AMX short tiles and the 16-row ones), row
+    // blocks, and x past 2 MiB (AMX: packed once for all parts); out 0 and single blocks.
+    const auto table_run = [&](const LinearPackedArgs& a, const Parallel& par) { kt.linear_packed(a, par); };
+    for (DType xdt : {DType::f32, DType::bf16})
+      for (auto T : {int64_t(1), int64_t(8), int64_t(21), int64_t(130)})
+        test_linear_packed_parts(std::string("linear packed parts ") + kt.isa, table_run, xdt, DType::bf16, T, 33,
+                                 {40, 0, 16, 1, 70}, rng);
+    test_linear_packed_parts(std::string("linear packed parts ") + kt.isa, table_run, DType::bf16, DType::f32, 520,
+                             2048, {40, 33, 0, 64}, rng);
   }
   std::printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;

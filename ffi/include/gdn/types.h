@@ -145,10 +145,34 @@ inline int64_t v_row_stride(const Args& p) { return p.v_ld ? p.v_ld : p.HV * p.V
 struct LinearArgs {
   DType x_dtype, w_dtype, y_dtype;
   const void* x;  // [T, in]
-  const void* w;  // [out, in]; linear_packed: [ceil(out / 16), ceil(in / 2), 16, 2] bf16
+  const void* w;  // [out, in]; packed (one_part): [ceil(out / 16), ceil(in / 2), 16, 2] bf16
   void* y;        // [T, out]
   int64_t T, in, out;
 };
+
+// Packed projections of one x (gdn_jax.ops.merged_linear; the layer's in_proj_qkv, _z, _b, _a):
+// part i is y_i [T, out_i] = x [T, in] @ w_i^T, w_i packed by gdn_jax.ops.pack_linear_weight
+// ([ceil(out_i / 16), ceil(in / 2), 16, 2] bf16). One call: x is read (and on AMX copied into
+// tile order) once for all parts, and the parts' work items share one fork.
+struct LinearPart {
+  const void* w;
+  void* y;  // [T, out], LinearPackedArgs::y_dtype
+  int64_t out;
+};
+constexpr int kMaxLinearParts = 8;
+struct LinearPackedArgs {
+  DType x_dtype, y_dtype;
+  const void* x;  // [T, in]
+  int64_t T, in;
+  int n_parts;
+  LinearPart parts[kMaxLinearParts];
+};
+// One packed projection (LinearArgs::w packed) as a LinearPackedArgs of one part.
+inline LinearPackedArgs one_part(const LinearArgs& p) {
+  LinearPackedArgs q{p.x_dtype, p.y_dtype, p.x, p.T, p.in, 1, {}};
+  q.parts[0] = {p.w, p.y, p.out};
+  return q;
+}
 
 // The bandwidth probe's spec pattern: pieces per group, the first read and written back, the
 // others written (a spec row of 4 tokens: its start slot read, 4 states written).
@@ -171,7 +195,7 @@ struct KernelTable {
   // K S0 on bf16 pairs (kernels/chunk.h, bf16_state_products); 0: never. Benchmarks' flop mix.
   int64_t chunk_pairs_min_tokens = 0;
   void (*linear)(const LinearArgs&, const Parallel&) = nullptr;
-  void (*linear_packed)(const LinearArgs&, const Parallel&) = nullptr;
+  void (*linear_packed)(const LinearPackedArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
   int64_t fma_probe_flops = 0;                   // per iteration
   // benchmarks: bf16 dot-product peak; null on ISAs without a bf16 dot instruction.

@@ -25,7 +25,7 @@ void tdpbf16ps(int c, int a, int b) { amx_model::amx_model_dpbf16ps(c, a, b); }
 void tilerelease() { amx_model::tile_release(); }
 uint8_t* tile_bytes(int tile) { return amx_model::amx_model_tile_bytes(tile); }
 
-void linear_packed_tiles(const LinearArgs& p, const Parallel& par, int64_t panel_rows, int64_t group_bytes) {
+void linear_packed_tiles(const LinearPackedArgs& p, const Parallel& par, int64_t panel_rows, int64_t group_bytes) {
   const bool y_bf16 = p.y_dtype == DType::bf16;
   if (panel_rows == 0 && y_bf16) return amx_model::linear_packed_amx<bf16>(p, par);
   if (panel_rows == 0) return amx_model::linear_packed_amx<float>(p, par);

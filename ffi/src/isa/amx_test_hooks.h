@@ -32,7 +32,7 @@ void gemm(int parts, bool out_bf16, int M, int N, int P, const float* A, int64_t
 // panel_rows 0 the unpacked tiles (linear_packed_amx), -1 x packed in the default panels, else
 // in panels of panel_rows rows; items over w groups of at most group_bytes
 // (linear_packed_amx_panels).
-void linear_packed_tiles(const LinearArgs& p, const Parallel& par, int64_t panel_rows, int64_t group_bytes);
+void linear_packed_tiles(const LinearPackedArgs& p, const Parallel& par, int64_t panel_rows, int64_t group_bytes);
 
 }  // namespace amx_model_test
 }  // namespace gdn

@@ -9,7 +9,9 @@
 // one x pair NB * 16 outputs (the [out, in] kernel reuses an x vector for NT outputs only and
 // reduces every partial sum across lanes at the end; here lane j is output j's whole sum).
 // Every output is summed in one order, pair by pair along `in` (element 2p + 1's product, then
-// 2p's), whatever the tile, block or thread.
+// 2p's), whatever the tile, block or thread. Several packed w of one x (LinearPackedArgs' parts)
+// run as one: their items laid end to end in one fork (a part's output has the bits it has
+// alone), and on AMX x is copied into tile order once for all of them.
 
 constexpr int kPackBlock = 16;  // outputs per block: one VF
 // x rows per tile; blocks per tile by step (PackedDotStep::kNB, PackedFmaStep::kNB).
@@ -143,24 +145,47 @@ inline void packed_rows_n(const TX* x, const bf16* wp, int64_t bstride, TY* y, i
   if (nb == 1) packed_rows<1, Step>(x, wp, bstride, y, in, out, t0, t1, b0);
 }
 
+inline int64_t packed_blocks(int64_t out) { return (out + kPackBlock - 1) / kPackBlock; }
+
+// The parts' work items laid end to end: part s owns items [first[s], first[s + 1]) (none when
+// its out is 0).
+struct PartItems {
+  int64_t first[kMaxLinearParts + 1];
+  int n;
+  int64_t total() const { return first[n]; }
+  int part(int64_t i) const {  // the part of item i < total()
+    int s = 0;
+    while (i >= first[s + 1]) ++s;
+    return s;
+  }
+};
+template <class F>
+inline PartItems part_items(const LinearPackedArgs& p, F items_of_out) {
+  PartItems it{{0}, p.n_parts};
+  for (int s = 0; s < p.n_parts; ++s) it.first[s + 1] = it.first[s] + items_of_out(p.parts[s].out);
+  return it;
+}
+
 template <class Step, class TX, class TY>
-void linear_packed_steps(const LinearArgs& p, const Parallel& par) {
+void linear_packed_steps(const LinearPackedArgs& p, const Parallel& par) {
   const TX* x = static_cast<const TX*>(p.x);
-  const bf16* wp = static_cast<const bf16*>(p.w);
-  TY* y = static_cast<TY*>(p.y);
-  const int64_t T = p.T, in = p.in, out = p.out;
-  if (T == 0 || out == 0) return;
+  const int64_t T = p.T, in = p.in;
   constexpr int NB = Step::kNB;
-  const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock;
   const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock;
   // Work items: NB blocks (one tile's width) by 64 x rows. At prefill a thread's consecutive
   // items share the blocks, which stay in L2 while the x rows pass; at decode (one row block)
   // each item streams its blocks from memory once.
-  const int64_t n_tiles = (n_blocks + NB - 1) / NB, tb = 64, n_tb = (T + tb - 1) / tb;
-  par(n_tiles * n_tb, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t tb = 64, n_tb = (T + tb - 1) / tb;
+  const PartItems items = part_items(p, [&](int64_t out) { return (packed_blocks(out) + NB - 1) / NB * n_tb; });
+  if (items.total() == 0) return;
+  par(items.total(), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b0 = (i / n_tb) * NB, t0 = (i % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
-      packed_rows_n<Step>(x, wp, bstride, y, in, out, t0, t1, b0, n_blocks - b0 < NB ? n_blocks - b0 : NB);
+      const int s = items.part(i);
+      const LinearPart& q = p.parts[s];
+      const int64_t j = i - items.first[s], n_blocks = packed_blocks(q.out);
+      const int64_t b0 = (j / n_tb) * NB, t0 = (j % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
+      packed_rows_n<Step>(x, static_cast<const bf16*>(q.w), bstride, static_cast<TY*>(q.y), in, q.out, t0, t1, b0,
+                          n_blocks - b0 < NB ? n_blocks - b0 : NB);
     }
   });
 }
@@ -277,14 +302,13 @@ inline AmxTileConfig amx_rows_config(int rows) {
 // Items of 2 blocks by 64 x rows as linear_packed_steps: 32-row tile pairs, a 16-row tile, then
 // the rows left on a short tile (kAmxMinRows or more) or the vector step.
 template <class TY>
-void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
+void linear_packed_amx(const LinearPackedArgs& p, const Parallel& par) {
   const bf16* x = static_cast<const bf16*>(p.x);
-  const bf16* wp = static_cast<const bf16*>(p.w);
-  TY* y = static_cast<TY*>(p.y);
-  const int64_t T = p.T, in = p.in, out = p.out;
-  const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock;
+  const int64_t T = p.T, in = p.in;
   const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock;
-  const int64_t n_tiles = (n_blocks + 1) / 2, tb = 64, n_tb = (T + tb - 1) / tb;
+  const int64_t tb = 64, n_tb = (T + tb - 1) / tb;
+  const PartItems items = part_items(p, [&](int64_t out) { return (packed_blocks(out) + 1) / 2 * n_tb; });
+  if (items.total() == 0) return;
   // Every item's short tile has the same height (the last row block's rows past its 16-row
   // tiles; T < 16: all of them): a thread loads a configuration again only where its items
   // switch between full and short tiles.
@@ -292,14 +316,18 @@ void linear_packed_amx(const LinearArgs& p, const Parallel& par) {
   const bool short_tiles = left >= kAmxMinRows;
   const AmxTileConfig full_cfg = amx_config(kTiles, kTileRows, kTileColsB);
   const AmxTileConfig short_cfg = amx_rows_config(short_tiles ? int(left) : kTileRows);
-  par(n_tiles * n_tb, 1, [&](int64_t i0, int64_t i1) {
+  par(items.total(), 1, [&](int64_t i0, int64_t i1) {
     const AmxTileConfig* loaded = nullptr;
     const auto use = [&](const AmxTileConfig* cfg) {
       if (loaded != cfg) tile_loadconfig(cfg);
       loaded = cfg;
     };
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b0 = (i / n_tb) * 2, t0 = (i % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
+      const int s = items.part(i);
+      const int64_t j = i - items.first[s], out = p.parts[s].out, n_blocks = packed_blocks(out);
+      const bf16* wp = static_cast<const bf16*>(p.parts[s].w);
+      TY* y = static_cast<TY*>(p.parts[s].y);
+      const int64_t b0 = (j / n_tb) * 2, t0 = (j % n_tb) * tb, t1 = t0 + tb < T ? t0 + tb : T;
       const int nb = n_blocks - b0 < 2 ? 1 : 2;
       const bf16* wb = wp + b0 * bstride;
       int64_t t = t0;
@@ -360,19 +388,16 @@ inline void amx_pack_x(const bf16* x, int64_t in, int64_t rows, int64_t nd, int6
 // panel_rows: 0 for kAmxPanelBytes of packed x (whole row pairs, at least one); group_bytes:
 // kAmxGroupBytes (the tests pass small ones of both).
 template <class TY>
-void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t panel_rows = 0,
+void linear_packed_amx_panels(const LinearPackedArgs& p, const Parallel& par, int64_t panel_rows = 0,
                               int64_t group_bytes = kAmxGroupBytes) {
   const bf16* x = static_cast<const bf16*>(p.x);
-  const bf16* wp = static_cast<const bf16*>(p.w);
-  TY* y = static_cast<TY*>(p.y);
-  const int64_t T = p.T, in = p.in, out = p.out;
-  const int64_t n_blocks = (out + kPackBlock - 1) / kPackBlock, n_pairs = (n_blocks + 1) / 2;
+  const int64_t T = p.T, in = p.in;
   const int64_t bstride = (in + 1) / 2 * 2 * kPackBlock, nd = (in + kAmxDepth - 1) / kAmxDepth;
   const int64_t pair_bytes = 2 * bstride * int64_t(sizeof(bf16));
   const int64_t row_pair_bytes = 2 * nd * kAmxTileElems * int64_t(sizeof(bf16));  // packed: 2 row tiles
   if (panel_rows <= 0) panel_rows = std::max<int64_t>(1, kAmxPanelBytes / row_pair_bytes) * 2 * kTileRows;
-  const int64_t group = std::max<int64_t>(1, std::min(n_pairs, group_bytes / pair_bytes));
-  const int64_t n_groups = (n_pairs + group - 1) / group;
+  const int64_t group = std::max<int64_t>(1, group_bytes / pair_bytes);  // block pairs; a part's last group fewer
+  const auto n_pairs = [](int64_t out) { return (packed_blocks(out) + 1) / 2; };
   const AmxTileConfig cfg = amx_config(kTiles, kTileRows, kTileColsB);
   // The calling thread's scratch (no allocation per call); the workers fill and read it.
   const int64_t max_rt = (std::min(T, panel_rows) + kTileRows - 1) / kTileRows;
@@ -382,11 +407,18 @@ void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t 
     const int64_t n_rt = (rows + kTileRows - 1) / kTileRows, n_rp = (n_rt + 1) / 2;
     const bf16* xt = x + t0 * in;
     par(n_rt, 1, [&](int64_t r0, int64_t r1) { amx_pack_x(xt, in, rows, nd, r0, r1, xp); });
-    // Items: a row pair by a group of block pairs, the row pairs of one group consecutive.
-    par(n_groups * n_rp, 1, [&](int64_t i0, int64_t i1) {
+    // Items: a row pair by a group of one part's block pairs, the row pairs of one group
+    // consecutive.
+    const PartItems items = part_items(p, [&](int64_t out) { return (n_pairs(out) + group - 1) / group * n_rp; });
+    par(items.total(), 1, [&](int64_t i0, int64_t i1) {
       tile_loadconfig(&cfg);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t q0 = (i / n_rp) * group, q1 = std::min(n_pairs, q0 + group), rp = i % n_rp;
+        const int s = items.part(i);
+        const int64_t j = i - items.first[s], out = p.parts[s].out;
+        const bf16* wp = static_cast<const bf16*>(p.parts[s].w);
+        TY* y = static_cast<TY*>(p.parts[s].y);
+        const int64_t n_blocks = packed_blocks(out), q0 = (j / n_rp) * group, q1 = std::min(n_pairs(out), q0 + group);
+        const int64_t rp = j % n_rp;
         const int r_rows = int(std::min<int64_t>(2 * kTileRows, rows - rp * 2 * kTileRows));
         const AmxRows A{xp + 2 * rp * nd * kAmxTileElems, kAmxTileElems, kAmxDepth * int64_t(sizeof(bf16)),
                         nd * kAmxTileElems, true};
@@ -410,12 +442,12 @@ void linear_packed_amx_panels(const LinearArgs& p, const Parallel& par, int64_t 
 #endif
 
 template <class TX, class TY>
-inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
+inline void linear_packed_y(const LinearPackedArgs& p, const Parallel& par) {
 #if defined(GDN_AMX)
   // From kAmxMinRows rows on tiles (else the vector step's 8 x 3 tile): x past L2 packed first,
   // decode-sized T on short tiles. Both tile paths give the same bits.
   if constexpr (std::is_same_v<TX, bf16>) {
-    if (p.T >= kAmxMinRows && p.out > 0) {
+    if (p.T >= kAmxMinRows) {
       if (p.T * p.in * int64_t(sizeof(bf16)) >= kAmxPackMinXBytes) return linear_packed_amx_panels<TY>(p, par);
       return linear_packed_amx<TY>(p, par);
     }
@@ -425,12 +457,12 @@ inline void linear_packed_y(const LinearArgs& p, const Parallel& par) {
   linear_packed_steps<PackedFmaStep, TX, TY>(p, par);
 }
 template <class TX>
-inline void linear_packed_x(const LinearArgs& p, const Parallel& par) {
+inline void linear_packed_x(const LinearPackedArgs& p, const Parallel& par) {
   if (p.y_dtype == DType::bf16) linear_packed_y<TX, bf16>(p, par);
   else linear_packed_y<TX, float>(p, par);
 }
-// p.w: the packed bf16 w (p.w_dtype is bf16).
-inline void linear_packed(const LinearArgs& p, const Parallel& par) {
+// Every part's w is packed bf16.
+inline void linear_packed(const LinearPackedArgs& p, const Parallel& par) {
   if (p.x_dtype == DType::bf16) linear_packed_x<bf16>(p, par);
   else linear_packed_x<float>(p, par);
 }
