@@ -119,11 +119,12 @@ def run_case(name, dims, kind, n, peak, log, compare_xla=False, weights="plain",
         return o
 
     o = core_call()
-    norm = jax.jit(gated_rms_norm, static_argnums=3)
+    norm = jax.jit(gated_rms_norm, static_argnums=(3, 4))
     outp = jax.jit(out_projection, static_argnums=2)
-    y = norm(o, z, params.norm_weight, cfg.rms_norm_eps).reshape(T, cfg.Z)
+    y = norm(o, z, params.norm_weight, cfg.rms_norm_eps, "native").reshape(T, cfg.Z)
     t = dict(step=median_ms(layer_call), in_proj=median_ms(lambda: proj(cfg, params_set[next(turn["in"])], h, "native")),
-             core=median_ms(core_call), norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps)),
+             core=median_ms(core_call),
+             norm=median_ms(lambda: norm(o, z, params.norm_weight, cfg.rms_norm_eps, "native")),
              out_proj=median_ms(lambda: outp(params_set[next(turn["out"])], y, "native")))
     xla = None
     if compare_xla:  # XLA's dot (impl="reference", [out, in] weights) in the same run; few calls, seconds each

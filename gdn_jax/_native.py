@@ -57,6 +57,13 @@ def _gating_vmap(axis_size, in_batched, a, b, A_log, dt_bias):
     return out, (True, True)
 
 
+def gated_rms_norm(o, z, weight, eps: float):
+    """(o, z [..., V], weight [V], all of o's dtype) -> [..., V]: the layer's gated RMSNorm."""
+    require_native()
+    call = jax.ffi.ffi_call(TARGET_PREFIX + "gated_rms_norm", _sds(o), vmap_method="sequential")
+    return call(o, z, weight, eps=np.float32(eps))
+
+
 def _conv_params(weight, bias):
     """weight [D, W] and bias [D] as given (f32 or bf16: the kernels read either, so a bf16
     model costs no converted copy per call); no bias is a [0] array."""

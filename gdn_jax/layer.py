@@ -33,6 +33,7 @@ import numpy as np
 from . import _checks
 from .config import GDNCache, GDNConfig, GDNParams, _check_array
 from .ops import PackedLinearWeight, linear, merged_linear, pack_linear_weight, packed_shape
+from .ops import gated_rms_norm as ops_gated_rms_norm
 from .paths import STEP_KINDS, GDNAttention, _step, _unwrap, check_status
 
 __all__ = ["GDNLayerConfig", "GDNLayerParams", "GatedDeltaNetLayer", "LAYER_STEPS", "MODEL_FAMILIES",
@@ -252,18 +253,14 @@ def in_projection(config: GDNLayerConfig, params: GDNLayerParams, hidden, impl: 
     return mixed_qkv, z.reshape(T, config.HV, config.V), b, a
 
 
-def gated_rms_norm(o, z, weight, eps: float):
-    """Gated RMSNorm per value head, as transformers' ``Qwen3NextRMSNormGated``.
+def gated_rms_norm(o, z, weight, eps: float, impl: str = "reference"):
+    """Gated RMSNorm per value head, as transformers' ``Qwen3NextRMSNormGated``
+    (:func:`gdn_jax.ops.gated_rms_norm`; the layer passes its own ``impl``).
 
     o, z: [..., V] (act dtype); weight: [V]. ``n = o * rsqrt(mean(o^2) + eps)`` in f32, cast to
     o's dtype, times ``weight``; then times ``silu(z)`` in f32 and cast back to o's dtype.
     """
-    dt = o.dtype
-    x = o.astype(jnp.float32)
-    n = (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)).astype(dt)
-    n = weight.astype(dt) * n
-    zf = z.astype(jnp.float32)
-    return (n.astype(jnp.float32) * (zf * jax.nn.sigmoid(zf))).astype(dt)
+    return ops_gated_rms_norm(o, z, weight=weight, eps=eps, impl=impl)
 
 
 def out_projection(params: GDNLayerParams, y, impl: str = "reference", out_dtype=None):
@@ -293,7 +290,7 @@ def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDN
     mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
     batch = _unwrap(batch)
     o, cache, status = _step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache, batch)
-    y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps)
+    y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps, impl)
     out = out_projection(params, y.reshape(T, config.Z), impl)
     return _zero_padding(out, batch.query_start_loc, status), cache, status
 

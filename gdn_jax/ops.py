@@ -164,6 +164,37 @@ def fused_gdn_gating(a, b, *, A_log, dt_bias, impl: str = "auto"):
     return _reference().fused_gdn_gating(a, b, A_log=A_log, dt_bias=dt_bias)
 
 
+# --- gated RMSNorm ---------------------------------------------------------------------------
+
+
+def gated_rms_norm(o, z, *, weight, eps: float, impl: str = "auto"):
+    """The layer's gated RMSNorm per value head (transformers' ``Qwen3NextRMSNormGated``).
+
+    Args:
+      o: [..., V] f32 or bf16 (the core's output, [T, HV, V] in the layer).
+      z: o's shape and dtype (the gate, in_proj_z's output).
+      weight: [V] (cast to o's dtype).
+      eps: > 0 (config.json's ``rms_norm_eps``).
+    Returns:
+      [..., V] o's dtype: ``n = o * rsqrt(mean(o^2) + eps)`` in f32, cast to o's dtype, times
+      ``weight``, times ``silu(z)`` in f32, cast back (the native kernel in one pass per row).
+    """
+    if jnp.ndim(o) < 1:
+        raise ValueError(f"o must be [..., V] (rank >= 1), got shape {jnp.shape(o)}")
+    V = o.shape[-1]
+    C.check_dtype("o", o, C.ACT_DTYPES)
+    C.check_shape("z", z, tuple(o.shape), "o's shape")
+    C.check_same_dtype("z", z, "o", o)
+    C.check_shape("weight", weight, (V,), "[V], V the last dim of o")
+    eps = float(eps)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    weight = weight.astype(o.dtype)
+    if resolve_impl(impl) == "native":
+        return _native.gated_rms_norm(o, z, weight, eps)
+    return _reference().gated_rms_norm(o, z, weight=weight, eps=eps)
+
+
 # --- projection ------------------------------------------------------------------------------
 
 

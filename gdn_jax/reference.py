@@ -155,6 +155,35 @@ def fused_gdn_gating(a, b, *, A_log, dt_bias):
     return g, beta
 
 
+def gated_rms_norm(o, z, *, weight, eps):
+    """Gated RMSNorm per value head, as transformers' ``Qwen3NextRMSNormGated``.
+
+    Args:
+      o, z: [..., V], activation dtype.
+      weight: [V] (cast to o's dtype).
+      eps: float > 0.
+    Returns:
+      [..., V] o's dtype: ``n = o * rsqrt(mean(o^2) + eps)`` in f32, cast to o's dtype, times
+      ``weight``; then times ``silu(z)`` in f32 and cast back.
+    """
+    dt = jnp.dtype(o.dtype)
+    x = o.astype(_F32)
+    n = _round_to(x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps), dt)
+    m = _round_to(weight.astype(dt).astype(_F32) * n, dt)   # weight * n in dt: exact in f32, then rounded
+    zf = z.astype(_F32)
+    return (m * (zf * jax.nn.sigmoid(zf))).astype(dt)
+
+
+def _round_to(x32, dt):
+    """f32 x rounded to dt's precision, kept f32. A reduce_precision, not a convert pair:
+    under jit XLA drops f32 -> bf16 -> f32 converts (excess precision allowed), which left the
+    weight product unrounded (a quarter of bf16 outputs one step off transformers')."""
+    if dt == jnp.dtype(_F32):
+        return x32
+    fi = jnp.finfo(dt)
+    return lax.reduce_precision(x32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
 # ---------------------------------------------------------------------------------------
 # causal conv1d
 # ---------------------------------------------------------------------------------------

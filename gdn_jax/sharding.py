@@ -725,7 +725,7 @@ def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, 
     mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
     o, cache, op_st = paths._step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
                                   paths._neutralise(batch, st[0] == 0))
-    y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps).reshape(T, config.Z)
+    y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps, impl).reshape(T, config.Z)
     status = jnp.where(st[0] != 0, st, _global_status(op_st, dp, tp))
     part = _zero_padding(out_projection(params, y, impl, jnp.float32), batch.query_start_loc, status)
     if scatter:

@@ -99,6 +99,13 @@ def _l2norm(x, eps):
 # ---------------------------------------------------------------------------------------
 
 
+def gated_norm_f64(o, z, w, eps):
+    """The layer's gated RMSNorm, exactly: o / sqrt(mean(o^2) + eps) * w * silu(z) over the last
+    dim (no casts). o, z [..., V]; w [V]."""
+    n = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps)
+    return n * w * z / (1 + np.exp(-z))
+
+
 def gating_f64(a, b, A_log, dt_bias):
     """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
 

@@ -211,7 +211,8 @@ def test_use_isa_covers_computations_still_queued_when_the_block_ends():
 def test_targets_registered_with_prefix():
     names = set(_ffi._gdn_ffi.registrations())
     assert names == {"gating", "conv_fwd", "conv_update", "recurrent", "chunk", "copy_slots", "report",
-                     "batch_status", "step", "bandwidth_probe", "linear", "linear_packed", "zero_pool"}
+                     "batch_status", "step", "bandwidth_probe", "gated_rms_norm", "linear", "linear_packed",
+                     "zero_pool"}
 
 
 def test_impl_resolution():

@@ -32,6 +32,7 @@ XLA_FFI_Error* GdnStep(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnBandwidthProbe(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnLinear(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnLinearPacked(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GdnGatedRmsNorm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GdnZeroPool(XLA_FFI_CallFrame*);
 }
 }  // namespace gdn
@@ -73,6 +74,7 @@ NB_MODULE(_gdn_ffi, m) {
     d["batch_status"] = capsule(gdn::GdnBatchStatus);
     d["step"] = capsule(gdn::GdnStep);
     d["bandwidth_probe"] = capsule(gdn::GdnBandwidthProbe);  // benchmarks only
+    d["gated_rms_norm"] = capsule(gdn::GdnGatedRmsNorm);
     d["linear"] = capsule(gdn::GdnLinear);
     d["linear_packed"] = capsule(gdn::GdnLinearPacked);
     d["zero_pool"] = capsule(gdn::GdnZeroPool);

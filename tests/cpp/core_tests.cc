@@ -277,6 +277,60 @@ void test_gating(const KernelTable& kt, DType act, int64_t T, int64_t HV, std::m
   check_true("gating " + tag + " 3 threads bit-identical", g == g3 && beta == beta3);
 }
 
+// --- gated RMSNorm (the layer's, per value head) --------------------------------------------
+// Against float64: f32 within 1e-6 of the exact norm (its casts are no-ops); bf16 against the
+// reference's casts done in double (n and m rounded to bf16): equal but where the f32 row scale
+// moved n across a rounding boundary (<= 0.1% of the outputs, <= 2 steps).
+// V = 128 (whole vectors) and 40 (a tail); the same bits on 3 threads.
+void test_gated_rms_norm(const KernelTable& kt, DType dt, int64_t rows, int64_t V, std::mt19937& rng) {
+  const Act o(size_t(rows * V), rng, 2.0), z(size_t(rows * V), rng, 3.0);
+  Act w(size_t(V), rng, 0.3);  // 1 + N(0, 0.3^2), bf16-exact
+  for (int64_t i = 0; i < V; ++i) {
+    w.b16[i] = bf16_bits(1.f + w.f32[i]);
+    w.f32[i] = bf16_value(w.b16[i]);
+    w.f64[i] = w.f32[i];
+  }
+  const size_t n = size_t(rows * V), esz = dt == DType::f32 ? 4 : 2;
+  std::vector<uint8_t> y1(n * esz), y3(n * esz);
+  const float eps = 1e-6f;
+  GatedNormArgs p{dt, o.ptr(dt), z.ptr(dt), w.ptr(dt), y1.data(), rows, V, eps};
+  kt.gated_rms_norm(p, Parallel{});
+  ThreadedParallel tp{3};
+  p.y = y3.data();
+  kt.gated_rms_norm(p, tp.par());
+  const std::vector<double> got = read_act(y1.data(), dt, n);
+  std::vector<double> exact(n), cast(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < V; ++i) ss += o.f64[r * V + i] * o.f64[r * V + i];
+    const double rs = 1 / std::sqrt(ss / double(V) + eps);
+    for (int64_t i = 0; i < V; ++i) {
+      const size_t k = size_t(r * V + i);
+      const double zz = z.f64[k], silu = zz * sigmoid(zz);
+      exact[k] = o.f64[k] * rs * w.f64[i] * silu;
+      const double nb = bf16_value(bf16_bits(float(o.f64[k] * rs)));
+      cast[k] = double(bf16_value(bf16_bits(float(w.f64[i] * nb)))) * silu;
+    }
+  }
+  const std::string tag = std::string(kt.isa) + (dt == DType::f32 ? " f32 " : " bf16 ") + std::to_string(rows) + "x" +
+                          std::to_string(V);
+  if (dt == DType::f32) {
+    check("gated rms norm " + tag, rel_rmse(got, exact), 1e-6);
+  } else {
+    int64_t over0 = 0, over2 = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const int64_t a = int64_t(bf16_bits(float(got[k]))), b = int64_t(bf16_bits(float(cast[k])));
+      const int64_t steps = (a >> 15) != (b >> 15) ? std::abs((a & 0x7fff) + (b & 0x7fff)) : std::abs(a - b);
+      over0 += steps > 0;
+      over2 += steps > 2;
+    }
+    check_true("gated rms norm " + tag + " the reference's casts", over0 <= int64_t(n) / 1000 && over2 == 0,
+               std::to_string(over0) + " differ, " + std::to_string(over2) + " by more than 2 steps");
+    check("gated rms norm " + tag + " vs exact", rel_rmse(got, exact), 4e-3);
+  }
+  check_true("gated rms norm " + tag + " 3 threads bit-identical", y1 == y3);
+}
+
 // --- conv ---------------------------------------------------------------------------------
 // Weight and bias hold bf16-representable values, so either parameter dtype (wdt) gives the
 // same float64 reference; without a bias (has_bias false) the kernel gets a null pointer.
@@ -1748,6 +1802,8 @@ int main() {
       test_gating(kt, act, 37, 24, rng);
       test_gating(kt, act, 37, 32, rng);
       test_gating(kt, act, 150, 48, rng);
+      test_gated_rms_norm(kt, act, 150, 128, rng);
+      test_gated_rms_norm(kt, act, 37, 40, rng);
       for (bool ds : {false, true})
         for (int W : {4, 3, 5})
           for (DType wdt : {DType::f32, DType::bf16})

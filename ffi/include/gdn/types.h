@@ -68,6 +68,19 @@ struct GatingArgs {
   int64_t T, HV;
 };
 
+// The layer's gated RMSNorm per row of V (a value head; transformers' Qwen3NextRMSNormGated):
+// n = T(x rsqrt(mean(x^2) + eps)) with x = f32(o), m = T(T(weight) n), y = T(m silu(f32(z))),
+// T() the rounding to the arrays' dtype, every product and sum in f32.
+struct GatedNormArgs {
+  DType dtype;         // of o, z, weight and y (all f32 or all bf16)
+  const void* o;       // [rows, V]
+  const void* z;       // [rows, V]
+  const void* weight;  // [V]
+  void* y;             // [rows, V]
+  int64_t rows, V;
+  float eps;
+};
+
 // Causal depthwise conv. The pool is addressed through strides (in elements) so that the
 // SD [N, L, D] and DS [N, D, L] layouts share one code path.
 struct ConvArgs {
@@ -194,6 +207,7 @@ struct KernelTable {
   // With bf16 activations, sequences of at least this many tokens take the chunk's Q S0 and
   // K S0 on bf16 pairs (kernels/chunk.h, bf16_state_products); 0: never. Benchmarks' flop mix.
   int64_t chunk_pairs_min_tokens = 0;
+  void (*gated_rms_norm)(const GatedNormArgs&, const Parallel&) = nullptr;
   void (*linear)(const LinearArgs&, const Parallel&) = nullptr;
   void (*linear_packed)(const LinearPackedArgs&, const Parallel&) = nullptr;
   float (*fma_probe)(int64_t iters) = nullptr;  // benchmarks: f32 FMA peak
