@@ -463,6 +463,9 @@ inline void linear_packed_x(const LinearPackedArgs& p, const Parallel& par) {
 }
 // Every part's w is packed bf16.
 inline void linear_packed(const LinearPackedArgs& p, const Parallel& par) {
+  int64_t outs = 0;
+  for (int s = 0; s < p.n_parts; ++s) outs += p.parts[s].out;
+  if (p.T == 0 || outs == 0) return;  // nothing to write (and no x to pack)
   if (p.x_dtype == DType::bf16) linear_packed_x<bf16>(p, par);
   else linear_packed_x<float>(p, par);
 }
