@@ -298,8 +298,8 @@ def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDN
 def _zero_padding(out, query_start_loc, status):
     """out [T, hidden] with zero rows for bucket padding tokens and for a refused batch: o is zero
     there, but 0 * silu(z) is NaN where the padding's hidden values are not finite. On out (each
-    row its own sums), not on the norm's [T, HV, V]: a select there kept XLA from fusing the norm
-    as it does alone (benchmarks/LAYER_NOTES.md)."""
+    row its own sums, [T, hidden]: the smallest array after the core), not on the norm's
+    [T, HV, V], where it kept XLA from fusing the reference norm (benchmarks/LAYER_NOTES.md)."""
     real = (jnp.arange(out.shape[0]) < query_start_loc[-1]) & (status[0] == 0)
     return jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
 
