@@ -16,7 +16,9 @@ threads still needs the step timed (benchmarks/run.py, step_overhead.py).
 
 Cases: gating, conv_fwd (T tokens), conv_update (B rows, a cold pool), decode and decode_bf16 (the
 recurrence, B rows, a cold pool of --pool-mib, f32 or bf16 state), spec and spec_bf16 (B rows of 4
-tokens), chunk (T tokens from a state), conv_chunk (the serving step's fused conv + chunk). The
+tokens), chunk (T tokens from a state), conv_chunk (the serving step's fused conv + chunk), in_proj
+and out_proj (the layer's packed projections of T tokens: qkv and z in one call; out_proj; w cycled
+over copies holding --pool-mib). The
 two revisions' ffi/include/gdn/types.h must be the same (CMake checks).
 """
 from __future__ import annotations
@@ -65,9 +67,10 @@ def main(argv=None):
     ap.add_argument("--base", default="HEAD", help="the revision to compare against (default HEAD)")
     ap.add_argument("--isa", default="avx512bf16", help="the ISA unit to compare (this CPU must run it)")
     ap.add_argument("--cases", default="gating,conv_fwd,conv_update,decode,chunk,conv_chunk")
-    ap.add_argument("--tokens", type=int, default=2048, help="T of gating, conv_fwd, chunk, conv_chunk")
+    ap.add_argument("--tokens", type=int, default=2048, help="T of gating, conv_fwd, chunk, conv_chunk, in_proj, out_proj")
     ap.add_argument("--batch", type=int, default=8, help="B of conv_update and decode")
-    ap.add_argument("--pool-mib", type=int, default=256, help="decode's state pool (conv_update's: 3/4 of it)")
+    ap.add_argument("--pool-mib", type=int, default=256,
+                    help="decode's state pool (conv_update's: 3/4 of it; the bytes of in_proj's and out_proj's w copies)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds per process")
     ap.add_argument("--processes", type=int, default=3,
                     help="fresh processes (each places the two builds' code and data anew)")

@@ -309,6 +309,40 @@ Case chunk_case(const Inputs& in, bool fused) {
   return c;
 }
 
+// The layer's projections on packed w (GDNLayerParams.packed) of T tokens: in_proj's qkv and z
+// parts in one call (in = hidden 2048), or out_proj (in = HV V). Random bf16 values stand in
+// for the packed weights (the kernels read bytes; the layout decides only which multiply which).
+// The calls cycle over copies of w holding at least --pool-mib (past the LLC: w from memory, as
+// a model's layers read theirs).
+Case linear_case(const Inputs& in, bool out_proj) {
+  const int64_t T = in.T, hidden = 2048, n_in = out_proj ? HV * V : hidden;
+  const std::vector<int64_t> outs = out_proj ? std::vector<int64_t>{hidden} : std::vector<int64_t>{D, HV * V};
+  int64_t w_bytes = 0;
+  for (const int64_t o : outs) w_bytes += o * n_in * 2;
+  const int64_t copies = std::max<int64_t>(1, (in.pool_slots * HV * K * V * 4 + w_bytes - 1) / w_bytes);
+  Case c{out_proj ? "out_proj" : "in_proj",
+         "T = " + std::to_string(T) + ", in " + std::to_string(n_in) + (out_proj ? "" : ", 2 parts") + ", " +
+             std::to_string(copies) + " w",
+         nullptr, nullptr};
+  auto x = std::make_shared<Buf>(normal_bf16(size_t(T * n_in), 1.f));
+  auto w = std::make_shared<std::vector<Buf>>();  // copy k's parts at [k * parts + i]
+  for (const int64_t o : outs) w->push_back(normal_bf16(size_t(o * n_in), 0.02f));
+  for (int64_t k = 1; k < copies; ++k)
+    for (size_t i = 0; i < outs.size(); ++i) w->push_back((*w)[i].copy());
+  c.side = [T, outs] {
+    Side s;
+    for (const int64_t o : outs) s.add(Buf(size_t(T * o) * 2), 2);
+    return s;
+  };
+  c.call = [T, n_in, outs, x, w, copies](const KernelTable& kt, Side& s) {
+    const size_t k = size_t(s.calls++ % copies) * outs.size();
+    gdn::LinearPackedArgs p{DType::bf16, DType::bf16, x->p.get(), T, n_in, int(outs.size()), {}};
+    for (size_t i = 0; i < outs.size(); ++i) p.parts[i] = {(*w)[k + i].p.get(), s.outs[i].p.get(), outs[i]};
+    kt.linear_packed(p, Parallel{});
+  };
+  return c;
+}
+
 // How many values of one output differ, and the largest relative difference among them.
 std::string compare(const Buf& a, const Buf& b, int elem) {
   if (std::memcmp(a.p.get(), b.p.get(), a.bytes) == 0) return "";
@@ -356,7 +390,7 @@ double time_calls(const Case& c, const KernelTable& kt, Side& s, int calls) {
 int usage(const char* why) {
   std::fprintf(stderr,
                "%s\nusage: gdn_kernel_ab [--cases gating,conv_fwd,conv_update,decode,decode_bf16,spec,spec_bf16,chunk,"
-               "conv_chunk] "
+               "conv_chunk,in_proj,out_proj] "
                "[--tokens T] [--batch B] [--pool-mib M] [--rounds R] [--round-ms MS] [--expect-same-bits 0|1]\n",
                why);
   return 2;
@@ -426,6 +460,8 @@ int main(int argc, char** argv) {
     else if (name == "spec_bf16") c = recurrent_case(in, 4, DType::bf16, "spec_bf16");
     else if (name == "chunk") c = chunk_case(in, false);
     else if (name == "conv_chunk") c = chunk_case(in, true);
+    else if (name == "in_proj") c = linear_case(in, false);
+    else if (name == "out_proj") c = linear_case(in, true);
     else return usage(("unknown case " + name).c_str());
 
     // Bits: one call each on identical buffers (the cycling cases start at the same slots).
