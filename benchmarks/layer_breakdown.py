@@ -21,8 +21,11 @@ gdn_jax_linear_packed), each case timed with both unless --weights says otherwis
 The calls cycle over copies of the weights and over disjoint slot sets of the state pool, each
 holding at least 4x the last-level cache, so that both come from memory as in a model's forward.
 Medians of repeated calls after warm-up; the parts are timed one after another in the same
-run, so their sum may differ from the step (the step overlaps nothing, but XLA may fuse the
-norm into neighbours and the parts each pay a dispatch).
+run, so their sum may differ from the step (the step overlaps nothing, but the parts each pay a
+dispatch). glibc's allocator is tuned as a server should run it (`gdn_jax.tune_host_malloc`,
+README.md, "Deployment"; `--malloc system` keeps glibc's defaults, under which a prefill step's
+large temporaries come back as fresh pages on every call: ~17% of the step at T = 2048 on a Xeon,
+benchmarks/LAYER_NOTES.md, "The allocator").
 """
 from __future__ import annotations
 
@@ -154,10 +157,15 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", choices=["both", "plain", "packed"], default="both",
                     help="the projections' weight layout: [out, in] (plain), packed, or each in turn")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "LAYER.md"))
+    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+                    help="tuned (default): glibc as gdn_jax.tune_host_malloc sets it (as run.py); system: its defaults")
     args = ap.parse_args(argv)
     if not gdn_jax.native_available():
         print("the native extension is not built (make build)")
         return 1
+    tuned = gdn_jax.tune_host_malloc() if args.malloc == "tuned" else False
+    malloc_text = "malloc tuned (gdn_jax.tune_host_malloc)" if tuned else (
+        "malloc: glibc's defaults" + (" (tuning not available here)" if args.malloc == "tuned" else ""))
     threads = os.cpu_count() or 1
     from gdn_jax import _ffi
 
@@ -172,7 +180,7 @@ def main(argv=None) -> int:
     except (OSError, StopIteration):
         pass
     print(f"layer breakdown on {cpu}, {threads} threads, ISA {gdn_jax.selected_isa()}, {peak_text}, jax "
-          f"{jax.__version__}", flush=True)
+          f"{jax.__version__}, {malloc_text}", flush=True)
     models = QUICK_MODELS if args.quick else MODELS
     layouts = ["plain", "packed"] if args.weights == "both" else [args.weights]
     cases = [(name, dims, kind, n, w) for name, dims in models.items()
@@ -187,7 +195,8 @@ def main(argv=None) -> int:
         return 0
     lines = ["# Layer step breakdown (bf16 weights and activations, f32 state)", "",
              f"`PYTHONPATH=. python benchmarks/layer_breakdown.py` on {cpu}, {threads} threads, ISA "
-             f"{gdn_jax.selected_isa()}, jax {jax.__version__}; {peak_text}; native probes, same run. Medians in "
+             f"{gdn_jax.selected_isa()}, jax {jax.__version__}; {malloc_text}; {peak_text}; native probes, same run. "
+             "Medians in "
              "ms. `parts` is the sum of the four parts timed alone.", "",
              "| model | case | weights | step | in_proj | core | norm | out_proj | parts | projections GFLOP/s | "
              "% of bf16 peak |",

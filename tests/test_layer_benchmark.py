@@ -23,6 +23,8 @@ def _quick_run(script: str) -> str:
 def test_layer_breakdown_quick():
     out = _quick_run("layer_breakdown.py")
     assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s, bf16 peak \d+\.\d GFLOP/s \(", out)
+    # The allocator as a server runs it (the default), said in the header; glibc's own where untunable.
+    assert re.search(r"malloc tuned \(gdn_jax\.tune_host_malloc\)|malloc: glibc's defaults \(tuning not", out), out
     rows = [line for line in out.splitlines() if "step" in line and "projections" in line]
     assert len(rows) == 6 and [line.split()[3] for line in rows] == ["plain", "packed"] * 3, out
     for line in rows:
