@@ -72,6 +72,20 @@ def median_ms(fn, *, warmup=2, min_iters=5, target_s=2.0):
     return 1e3 * statistics.median(times)
 
 
+def add_malloc_arg(ap):
+    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+                    help="tuned (default): glibc as gdn_jax.tune_host_malloc sets it (as run.py); system: its defaults")
+
+
+def apply_malloc(mode: str) -> str:
+    """Tunes glibc's allocator for mode "tuned" (a server's setting: README.md, Deployment); says
+    in words what this process runs with. Under glibc's defaults a block above 32 MiB (a prefill
+    program's temporaries, a large output) is mapped afresh and faulted in on every call."""
+    if mode == "tuned" and gdn_jax.tune_host_malloc():
+        return "malloc tuned (gdn_jax.tune_host_malloc)"
+    return "malloc: glibc's defaults" + (" (tuning not available here)" if mode == "tuned" else "")
+
+
 def case_batch(kind: str, n: int, num_slots: int, first_slot: int = 0):
     if kind == "decode":
         reqs = [Request.decode(first_slot + i) for i in range(n)]
@@ -157,15 +171,12 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", choices=["both", "plain", "packed"], default="both",
                     help="the projections' weight layout: [out, in] (plain), packed, or each in turn")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "LAYER.md"))
-    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
-                    help="tuned (default): glibc as gdn_jax.tune_host_malloc sets it (as run.py); system: its defaults")
+    add_malloc_arg(ap)
     args = ap.parse_args(argv)
     if not gdn_jax.native_available():
         print("the native extension is not built (make build)")
         return 1
-    tuned = gdn_jax.tune_host_malloc() if args.malloc == "tuned" else False
-    malloc_text = "malloc tuned (gdn_jax.tune_host_malloc)" if tuned else (
-        "malloc: glibc's defaults" + (" (tuning not available here)" if args.malloc == "tuned" else ""))
+    malloc_text = apply_malloc(args.malloc)
     threads = os.cpu_count() or 1
     from gdn_jax import _ffi
 

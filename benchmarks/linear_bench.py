@@ -11,7 +11,8 @@ bandwidth as the best of a probe before and one after the table): decode-sized T
 stream, prefill-sized T by the dots. The calls cycle over copies of w that hold at least 4x the
 last-level cache together (--cold-bytes), so that w comes from memory, as each layer's weights do
 in a model's forward: one copy of in_proj (48 MiB, 1.5x a 32 MiB LLC) read over and over is partly
-served from the LLC.
+served from the LLC. glibc's allocator is tuned as a server runs it (--malloc, as layer_breakdown.py):
+under its defaults an output above 32 MiB (in_proj's from T = 2048) is faulted in on every call.
 
     PYTHONPATH=. python benchmarks/linear_bench.py                       # T = 1, 8, 64, 512
     PYTHONPATH=. python benchmarks/linear_bench.py --tokens 8 --out 5120 --in 5120 --rounds 5
@@ -32,7 +33,7 @@ import numpy as np
 import gdn_jax
 import roofline  # benchmarks/ is the script's directory
 from gdn_jax.ops import linear, pack_linear_weight
-from layer_breakdown import median_ms
+from layer_breakdown import add_malloc_arg, apply_malloc, median_ms
 
 LAYOUTS = ("packed", "plain", "xla")
 
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cold-bytes", type=int, default=roofline.COLD_BYTES,
                     help="the calls cycle over copies of w holding at least this many bytes (0: one copy)")
     ap.add_argument("--quick", action="store_true")
+    add_malloc_arg(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.n_out, args.n_in, args.rounds, args.seconds = "1,9", 100, 70, 1, 0.05
@@ -65,10 +67,11 @@ def main(argv=None) -> int:
     if not gdn_jax.native_available():
         print("the native extension is not built (make build)")
         return 1
+    malloc_text = apply_malloc(args.malloc)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "?") if sys.platform.startswith("linux") else "?"
     print(f"projection [{args.n_out} x {args.n_in}] bf16 on {cpu}, ISA {gdn_jax.selected_isa()}, jax "
-          f"{jax.__version__}", flush=True)
+          f"{jax.__version__}, {malloc_text}", flush=True)
     threads = os.cpu_count() or 1
     probe_bytes = (1 << 22) if args.quick else roofline.PROBE_BYTES
     read_gbs = [roofline.bandwidth_gbs("read", probe_bytes)]

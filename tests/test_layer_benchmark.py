@@ -43,6 +43,7 @@ def test_linear_bench_quick():
         assert all("probe wrong" in v or 0 < float(v) <= 100 for v in (r[6], r[8])), r
     assert re.search(r"bf16 peak \d+\.\d GFLOP/s \(.+\); read bandwidth \d+\.\d GB/s", out), out
     assert re.search(r"read bandwidth after the table \d+\.\d GB/s", out), out
+    assert re.search(r"malloc tuned \(gdn_jax\.tune_host_malloc\)|malloc: glibc's defaults \(tuning not", out), out
 
 
 def test_linear_bench_refuses_a_share_above_its_probe():
