@@ -67,10 +67,12 @@ def main(argv=None):
     ap.add_argument("--base", default="HEAD", help="the revision to compare against (default HEAD)")
     ap.add_argument("--isa", default="avx512bf16", help="the ISA unit to compare (this CPU must run it)")
     ap.add_argument("--cases", default="gating,conv_fwd,conv_update,decode,chunk,conv_chunk")
-    ap.add_argument("--tokens", type=int, default=2048, help="T of gating, conv_fwd, chunk, conv_chunk, in_proj, out_proj")
+    ap.add_argument("--tokens", type=int, default=2048,
+                    help="T of gating, conv_fwd, chunk, conv_chunk, in_proj, out_proj")
     ap.add_argument("--batch", type=int, default=8, help="B of conv_update and decode")
     ap.add_argument("--pool-mib", type=int, default=256,
-                    help="decode's state pool (conv_update's: 3/4 of it; the bytes of in_proj's and out_proj's w copies)")
+                    help="decode's state pool (conv_update's: 3/4 of it); in_proj's and out_proj's w copies "
+                         "hold as many bytes")
     ap.add_argument("--rounds", type=int, default=12, help="rounds per process")
     ap.add_argument("--processes", type=int, default=3,
                     help="fresh processes (each places the two builds' code and data anew)")

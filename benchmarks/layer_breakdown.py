@@ -24,7 +24,7 @@ Medians of repeated calls after warm-up; the parts are timed one after another i
 run, so their sum may differ from the step (the step overlaps nothing, but the parts each pay a
 dispatch). glibc's allocator is tuned as a server should run it (`gdn_jax.tune_host_malloc`,
 README.md, "Deployment"; `--malloc system` keeps glibc's defaults, under which a prefill step's
-large temporaries come back as fresh pages on every call: ~17% of the step at T = 2048 on a Xeon,
+large temporaries come back as fresh pages on every call: 15-17% of the step at T = 2048 on a Xeon,
 benchmarks/LAYER_NOTES.md, "The allocator").
 """
 from __future__ import annotations
