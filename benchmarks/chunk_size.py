@@ -6,7 +6,8 @@ ones. This times `chunk_gated_delta_rule` (native, jitted, pool donated) at Qwen
 shapes (H=16, HV=32, K=V=128) with the size forced in turn, one call each, the order swapped every
 round, so that both see the same machine, and prints per case the medians and the median of the
 paired ratios C=32 / C=64 (below 1: 32 is faster), with the algorithm's flops at each size
-(run.chunk_flops) as a fraction of the f32 FMA peak measured in the same run.
+(run.chunk_flops) as a fraction of the f32 FMA peak measured in the same run. glibc's allocator is
+tuned as a server runs it (--malloc, as layer_breakdown.py: the output at T = 8192 is 64 MiB).
 
     PYTHONPATH=. python benchmarks/chunk_size.py [--isa avx2] [--rounds 15] [--cases 64,128,512,2048,8192,4x512]
 """
@@ -31,6 +32,7 @@ from gdn_jax import _gdn_ffi, ops  # noqa: E402
 
 import roofline  # noqa: E402
 import run  # noqa: E402
+from layer_breakdown import add_malloc_arg, apply_malloc  # noqa: E402
 
 SIZES = (64, 32)
 
@@ -60,14 +62,16 @@ def main():
                     help="sequence lengths; AxB = A sequences of B tokens")
     ap.add_argument("--act", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--initial-state", action="store_true", help="every sequence continues from its slot")
+    add_malloc_arg(ap)
     args = ap.parse_args()
+    malloc_text = apply_malloc(args.malloc)
     if args.isa:
         _gdn_ffi.select_isa(args.isa)
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     peak = max(roofline.fma_peak_gflops(threads) for _ in range(3))
     act = jnp.dtype(args.act)
     print(f"ISA {gdn_jax.selected_isa()}, jax {jax.__version__}, {threads} threads, f32 FMA peak {peak:.1f} GFLOP/s; "
-          f"act {act.name}, initial state {args.initial_state}; chunk size used now: "
+          f"{malloc_text}; act {act.name}, initial state {args.initial_state}; chunk size used now: "
           f"{run.chunk_size_note()}", flush=True)
     rng = np.random.default_rng(0)
     try:
