@@ -11,6 +11,10 @@ import pytest
 from serve_helpers import NATIVE_REASON, NATIVE_READY, ROOT
 
 
+# The header names the allocator: tuned as a server runs it (the default), glibc's own where untunable.
+MALLOC_LINE = re.compile(r"malloc tuned \(gdn_jax\.tune_host_malloc\)|malloc: glibc's defaults \(tuning not")
+
+
 def _quick_run(script: str) -> str:
     """stdout of ``benchmarks/<script> --quick``, which must succeed."""
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"], cwd=ROOT,
@@ -23,8 +27,7 @@ def _quick_run(script: str) -> str:
 def test_layer_breakdown_quick():
     out = _quick_run("layer_breakdown.py")
     assert re.search(r"f32 FMA peak \d+\.\d GFLOP/s, bf16 peak \d+\.\d GFLOP/s \(", out)
-    # The allocator as a server runs it (the default), said in the header; glibc's own where untunable.
-    assert re.search(r"malloc tuned \(gdn_jax\.tune_host_malloc\)|malloc: glibc's defaults \(tuning not", out), out
+    assert MALLOC_LINE.search(out), out
     rows = [line for line in out.splitlines() if "step" in line and "projections" in line]
     assert len(rows) == 6 and [line.split()[3] for line in rows] == ["plain", "packed"] * 3, out
     for line in rows:
@@ -43,7 +46,7 @@ def test_linear_bench_quick():
         assert all("probe wrong" in v or 0 < float(v) <= 100 for v in (r[6], r[8])), r
     assert re.search(r"bf16 peak \d+\.\d GFLOP/s \(.+\); read bandwidth \d+\.\d GB/s", out), out
     assert re.search(r"read bandwidth after the table \d+\.\d GB/s", out), out
-    assert re.search(r"malloc tuned \(gdn_jax\.tune_host_malloc\)|malloc: glibc's defaults \(tuning not", out), out
+    assert MALLOC_LINE.search(out), out
 
 
 def test_linear_bench_refuses_a_share_above_its_probe():
