@@ -20,7 +20,8 @@ A condition that costs more CPU time than idle points at the caches or the clock
 same CPU time but more wall time points at waiting (thread wake-up, run queue). The step's wall time
 splits into "to handler" (JAX's dispatch and XLA's launch, up to the step handler's entry), "handler"
 (its own wall time, StepTimer) and "return" (from its return to the results in Python); "in fors ms"
-is the part of the handler inside the kernels' parallel-fors."""
+is the part of the handler inside the kernels' parallel-fors. glibc's allocator is tuned as a server
+runs it (--malloc, as layer_breakdown.py)."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import jax.numpy as jnp  # noqa: E402
 
 import run as R  # noqa: E402
+from layer_breakdown import add_malloc_arg, apply_malloc  # noqa: E402
 from gdn_jax import Request, _ffi  # noqa: E402
 
 CONDITIONS = ("idle", "b2b", "matmul", "matmul+sleep5", "sleep50", "read64", "fma50", "spin50", "program")
@@ -65,7 +67,9 @@ def main(argv=None):
     ap.add_argument("--case", default="decode_b8")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    add_malloc_arg(ap)
     args = ap.parse_args(argv)
+    malloc_text = apply_malloc(args.malloc)
     conds = args.conditions.split(",")
     call = make_case(args.case)
     block, block_ms = R.matmul_block()
@@ -92,7 +96,7 @@ def main(argv=None):
             rec[c].append(((t1 - t0) / 1e6, (r1 - r0) / 1e6, (w1 - w0) / 1e6, R._counters(), (t0, t1)))
         rounds += 1
     fc = R.foreign_cores(snap0, R._cpu_snapshot())
-    print(f"# {args.case}: {rounds} rounds, matmul block {block_ms:.0f} ms, other processes used {fc} cores "
+    print(f"# {args.case}: {rounds} rounds, {malloc_text}, matmul block {block_ms:.0f} ms, other processes used {fc} cores "
           f"meanwhile (a loaded host lengthens every row; compare rows, not runs)")
     base = np.median([x[0] for x in rec[conds[0]]]) if conds[0] != "program" else float("nan")
     nan = float("nan")

@@ -22,6 +22,9 @@ Columns, per case (medians over interleaved rounds, milliseconds):
   ``status``: the batch-status all-reduce alone (int32 [2, 5]);
 * ``psum 2 proc``: the same psum between two processes over gloo (what a 2-socket or
   2-host deployment pays per layer step, at loopback speed).
+
+glibc's allocator is tuned as a server runs it, in both processes of the collective run too
+(--malloc, as layer_breakdown.py).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ import numpy as np  # noqa: E402
 from gdn_jax import GDNAttention, GDNCache, GDNConfig, Request, build_batch, selected_isa  # noqa: E402
 from gdn_jax import sharding as sh  # noqa: E402
 from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams  # noqa: E402
+from layer_breakdown import add_malloc_arg, apply_malloc  # noqa: E402
 
 BF16 = jnp.bfloat16
 
@@ -198,7 +202,7 @@ def two_process_collectives(args):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gdn_sharded_step_{os.getpid()}.json")
-    extra = ["--quick"] if args.quick else ["--rounds", str(args.rounds)]
+    extra = (["--quick"] if args.quick else ["--rounds", str(args.rounds)]) + ["--malloc", args.malloc]
     env = dict(os.environ, XLA_FLAGS=BASE_XLA_FLAGS)          # one device per process
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "dist", "--process-id", str(i),
                                "--port", str(port), "--out", out, *extra], env=env) for i in range(2)]
@@ -220,11 +224,13 @@ def main():
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--out")
+    add_malloc_arg(ap)
     args = ap.parse_args()
+    malloc_text = apply_malloc(args.malloc)
     if args.role == "dist":
         return dist_role(args)
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}; "
-          f"ISA {selected_isa()}", flush=True)
+          f"ISA {selected_isa()}; {malloc_text}", flush=True)
     rows = main_role(args)
     cross = two_process_collectives(args)
     for row in rows:
