@@ -96,8 +96,8 @@ def main(argv=None):
             rec[c].append(((t1 - t0) / 1e6, (r1 - r0) / 1e6, (w1 - w0) / 1e6, R._counters(), (t0, t1)))
         rounds += 1
     fc = R.foreign_cores(snap0, R._cpu_snapshot())
-    print(f"# {args.case}: {rounds} rounds, {malloc_text}, matmul block {block_ms:.0f} ms, other processes used {fc} cores "
-          f"meanwhile (a loaded host lengthens every row; compare rows, not runs)")
+    print(f"# {args.case}: {rounds} rounds, {malloc_text}, matmul block {block_ms:.0f} ms, other processes used "
+          f"{fc} cores meanwhile (a loaded host lengthens every row; compare rows, not runs)")
     base = np.median([x[0] for x in rec[conds[0]]]) if conds[0] != "program" else float("nan")
     nan = float("nan")
     print(f"{'condition':14s} {'wall ms':>8s} {'/ ' + conds[0]:>8s} {'to handler us':>13s} {'handler ms':>10s} "
