@@ -1037,8 +1037,12 @@ def test_interleave_tool_reports_every_condition(capsys):
     il = _load("interleave")
     il.R.MATMUL_BLOCK_MS = 5.0  # a small block: this is a smoke test
     conds = ["idle", "b2b", "matmul", "fma50", "spin50", "program"]
-    il.main(["--case", "decode_b1", "--seconds", "0", "--conditions", ",".join(conds)])
-    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] and ln.split()[0] in conds]
+    # --malloc system: in this process a tuned glibc (no mmap) would outlive the test and change
+    # where later tests' large buffers live (test_config's huge-page hint check reads that)
+    il.main(["--case", "decode_b1", "--seconds", "0", "--conditions", ",".join(conds), "--malloc", "system"])
+    out = capsys.readouterr().out
+    assert "malloc: glibc's defaults," in out, out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] and ln.split()[0] in conds]
     assert [r[0] for r in rows] == conds
     for r in rows:
         wall, to_handler, handler, back, cpu = (float(r[i]) for i in (1, 3, 4, 5, 6))
