@@ -195,7 +195,7 @@ def dist_role(args):
         T = bucket(sum(lens))
         calls = collective_runners(mesh, T, cfg.hidden_size)
         times = interleaved_times(calls, 5 if args.quick else args.rounds)
-        # p10 beside the median: over gloo a call takes either ~0.2-0.4 ms or a scheduler tick
+        # p10 beside the median: over gloo a call takes either ~0.2-0.5 ms or a scheduler tick
         # (~4 ms here), so the median alone can land on either (docs/scaling.md)
         out[label] = {f"{k} 2 proc{q}": float(np.percentile(times[k], pct)) * 1e3
                       for k in ("psum", "status") for q, pct in (("", 50), (" p10", 10))}
