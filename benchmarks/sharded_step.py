@@ -1,6 +1,6 @@
 """A sharded GDN step on this machine (the core alone, then the whole layer): 1 device vs
 2 devices (tp = 2), and the collectives on their own, inside one process and across two
-processes (jax.distributed, gloo over loopback).
+processes (jax.distributed, gloo over loopback), and the layer step across those two.
 
     PYTHONPATH=. python benchmarks/sharded_step.py                 # everything (a few minutes)
     PYTHONPATH=. python benchmarks/sharded_step.py --quick         # small shapes, few reps
@@ -16,12 +16,15 @@ Columns, per case (medians over interleaved rounds, milliseconds):
 
 * ``1 dev``: the unsharded GDNAttention / GatedDeltaNetLayer on one device (XLA's intra-op
   pool and our kernels use both cores);
-* ``tp=1 mesh``: the sharded step on a 1-device mesh (shard_map + status checks, no peer);
+* ``tp=1 mesh``: the sharded step on a 1-device mesh (shard_map, no peer);
 * ``tp=2``: the sharded step on 2 devices of one process (each shard half the heads);
 * ``psum``: the out_proj reduction alone, ``[T, hidden]`` f32 over the 2 devices, and
-  ``status``: the batch-status all-reduce alone (int32 [2, 5]);
-* ``psum 2 proc``: the same psum between two processes over gloo (what a 2-socket or
-  2-host deployment pays per layer step, at loopback speed), median and p10.
+  ``status``: the batch-status all-reduce of a dp = 2 mesh alone (int32 [2, 5] over "data",
+  twice per step there; a mesh with one data shard has none);
+* ``layer step 2 proc``: the layer step at tp = 2 between two processes over gloo (one
+  device each), and ``psum 2 proc`` / ``status 2 proc`` the same collectives between them
+  (what a 2-socket or 2-host deployment pays per layer step, at loopback speed), median
+  and p10.
 
 glibc's allocator is tuned as a server runs it, in both processes of the collective run too
 (--malloc, as layer_breakdown.py).
@@ -95,44 +98,52 @@ class Runner:
         return time.perf_counter() - t
 
 
-def runners(what, cfg, kind, lens, params_full, mesh1, mesh2, num_slots):
-    """{column: Runner} for the layer (what="layer") or the core alone (what="core")."""
+def step_inputs(what, cfg, kind, lens):
+    """(requests, T, S, host arrays in plain channel order): the same in every process."""
     reqs = requests(kind, lens)
     T, S = bucket(sum(lens)), bucket(len(lens), 1)
     rng = np.random.default_rng(0)
-    core = cfg.core
-    if what == "layer":
-        host = [rng.standard_normal((T, cfg.hidden_size)).astype(np.float32).astype(BF16)]
-        unsharded, sharded, params_full = GatedDeltaNetLayer(cfg), sh.ShardedGatedDeltaNetLayer, params_full
-        step = kind
-    else:
-        host = [rng.standard_normal((T, w)).astype(np.float32).astype(BF16) for w in (core.D, core.HV, core.HV)]
-        unsharded, sharded, params_full = GDNAttention(core), sh.ShardedGDNAttention, params_full.core
-        step = kind
-    out = {}
+    widths = (cfg.hidden_size,) if what == "layer" else (cfg.core.D, cfg.core.HV, cfg.core.HV)
+    return reqs, T, S, [rng.standard_normal((T, w)).astype(np.float32).astype(BF16) for w in widths]
+
+
+def runners(what, cfg, kind, lens, params_full, mesh1, mesh2, num_slots):
+    """{column: Runner} for the layer (what="layer") or the core alone (what="core")."""
+    reqs, T, S, host = step_inputs(what, cfg, kind, lens)
+    unsharded = GatedDeltaNetLayer(cfg) if what == "layer" else GDNAttention(cfg.core)
     hb = build_batch(reqs, num_slots=num_slots, token_bucket=T, row_bucket=S)
-    out["1 dev"] = Runner(getattr(unsharded, f"{step}_with_status"), [jnp.asarray(x) for x in host], params_full,
-                          GDNCache.create(core, num_slots), hb.metadata.to_device())
+    out = {"1 dev": Runner(getattr(unsharded, f"{kind}_with_status"), [jnp.asarray(x) for x in host],
+                           params_full if what == "layer" else params_full.core,
+                           GDNCache.create(cfg.core, num_slots), hb.metadata.to_device())}
     for name, mesh in (("tp=1 mesh", mesh1), ("tp=2", mesh2)):
-        eng = sharded(cfg if what == "layer" else core, mesh)
-        shb = sh.build_sharded_batch(reqs, num_slots=num_slots, num_data=1, token_bucket=T, row_bucket=S)
-        arrays = list(host)
-        if what == "core":       # plain -> shard-major channels, once, outside the timing
-            arrays[0] = np.asarray(arrays[0])[:, sh.qkv_channel_order(core, sh.mesh_shape(mesh)[1])]
-        placed = [sh.place(x, mesh, spec) for x, spec in zip(arrays, eng._array_specs)]
-        out[name] = Runner(getattr(eng, f"{step}_with_status"), placed, eng.shard_params(params_full),
-                           eng.create_cache(num_slots), sh._place_batch(shb, mesh))
+        out[name] = sharded_runner(what, cfg, kind, lens, params_full, mesh, num_slots)
     return out, T
 
 
-def collective_runners(mesh, T, hidden):
-    """The out_proj psum and the status all-reduce, alone, as the layer runs them."""
+def sharded_runner(what, cfg, kind, lens, params_full, mesh, num_slots):
+    """The sharded step's Runner on ``mesh`` (works across processes: every process passes the
+    same host arrays and places its own shards)."""
+    reqs, T, S, arrays = step_inputs(what, cfg, kind, lens)
+    if what == "layer":
+        eng = sh.ShardedGatedDeltaNetLayer(cfg, mesh)
+    else:       # plain -> shard-major channels, once, outside the timing
+        arrays[0] = arrays[0][:, sh.qkv_channel_order(cfg.core, sh.mesh_shape(mesh)[1])]
+        eng, params_full = sh.ShardedGDNAttention(cfg.core, mesh), params_full.core
+    shb = sh.build_sharded_batch(reqs, num_slots=num_slots, num_data=1, token_bucket=T, row_bucket=S)
+    placed = [sh.place(x, mesh, spec) for x, spec in zip(arrays, eng._array_specs)]
+    return Runner(getattr(eng, f"{kind}_with_status"), placed, eng.shard_params(params_full),
+                  eng.create_cache(num_slots), sh._place_batch(shb, mesh))
+
+
+def collective_runners(mesh, data_mesh, T, hidden):
+    """The out_proj psum over "model" (``mesh``, tp = 2) and the status all-reduce over "data"
+    (``data_mesh``, dp = 2: a mesh with one data shard has none), alone, as the layer runs them."""
     x = sh.place(np.ones((T * 2, hidden), np.float32), mesh, sh.P(sh.MODEL, None))   # [T, hidden] per device
     psum = jax.jit(sh.shard_map(lambda v: jax.lax.psum(v, sh.MODEL), mesh=mesh, in_specs=sh.P(sh.MODEL, None),
                                 out_specs=sh.P(sh.MODEL, None)))
-    st = sh.place(np.zeros((2, 4), np.int32), mesh, sh.P(sh.MODEL))
-    status = jax.jit(sh.shard_map(lambda s: sh._global_status(s[0], 1, 2)[None], mesh=mesh, in_specs=sh.P(sh.MODEL),
-                                  out_specs=sh.P(sh.MODEL)))
+    st = sh.place(np.zeros((2, 4), np.int32), data_mesh, sh.P(sh.DATA))
+    status = jax.jit(sh.shard_map(lambda s: sh._global_status(s[0], 2)[None], mesh=data_mesh, in_specs=sh.P(sh.DATA),
+                                  out_specs=sh.P(sh.DATA)))
 
     def timer(fn, arg):
         def call():
@@ -166,6 +177,7 @@ def main_role(args):
     cfg = layer_config(args.quick)
     devs = jax.devices()
     mesh1, mesh2 = sh.make_mesh(tp=1, devices=devs[:1]), sh.make_mesh(tp=2, devices=devs[:2])
+    data_mesh = sh.make_mesh(tp=1, dp=2, devices=devs[:2])
     params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))
     rows = []
     rounds = 5 if args.quick else args.rounds
@@ -173,7 +185,7 @@ def main_role(args):
         for label, kind, lens in cases(args.quick):
             calls, T = runners(what, cfg, kind, lens, params, mesh1, mesh2, num_slots=16 if args.quick else 64)
             if what == "layer":
-                calls.update(collective_runners(mesh2, T, cfg.hidden_size))
+                calls.update(collective_runners(mesh2, data_mesh, T, cfg.hidden_size))
             med = interleaved(calls, rounds)
             row = {"what": what, "case": label, "T": T, **{k: v * 1e3 for k, v in med.items()},
                    "psum_bytes": T * cfg.hidden_size * 4, "load_avg": os.getloadavg()[0]}
@@ -184,21 +196,23 @@ def main_role(args):
 
 
 def dist_role(args):
-    """Two processes, one device each: the psum of [T, hidden] f32 between them over gloo."""
+    """Two processes, one device each, over gloo: the layer step at tp = 2 across them, and its
+    collectives alone (the psum of [T, hidden] f32; the status all-reduce of a dp = 2 mesh)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=2,
                                process_id=args.process_id)
-    mesh = sh.make_mesh(tp=2)
+    mesh, data_mesh = sh.make_mesh(tp=2), sh.make_mesh(tp=1, dp=2)
     cfg = layer_config(args.quick)
+    params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))      # the same in both processes
     out = {}
-    for label, _, lens in cases(args.quick):
-        T = bucket(sum(lens))
-        calls = collective_runners(mesh, T, cfg.hidden_size)
+    for label, kind, lens in cases(args.quick):
+        calls = collective_runners(mesh, data_mesh, bucket(sum(lens)), cfg.hidden_size)
+        calls["layer step"] = sharded_runner("layer", cfg, kind, lens, params, mesh, num_slots=16 if args.quick else 64)
         times = interleaved_times(calls, 5 if args.quick else args.rounds)
         # p10 beside the median: over gloo a call takes either ~0.2-0.5 ms or a scheduler tick
         # (~4 ms here), so the median alone can land on either (docs/scaling.md)
         out[label] = {f"{k} 2 proc{q}": float(np.percentile(times[k], pct)) * 1e3
-                      for k in ("psum", "status") for q, pct in (("", 50), (" p10", 10))}
+                      for k in calls for q, pct in (("", 50), (" p10", 10))}
     if args.process_id == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
@@ -245,7 +259,8 @@ def main():
         if row["what"] != "layer":
             continue
         row.update(cross[row["case"]])
-        print(f"{row['case']:12s} psum between 2 processes {row['psum 2 proc']:8.3f} ms "
+        print(f"{row['case']:12s} 2 processes (tp=2): layer step {row['layer step 2 proc']:8.3f} ms "
+              f"(p10 {row['layer step 2 proc p10']:.3f}), psum {row['psum 2 proc']:8.3f} ms "
               f"(p10 {row['psum 2 proc p10']:.3f}; {row['psum_bytes'] / 2**10:.0f} KiB per device), "
               f"status {row['status 2 proc']:.3f} ms (p10 {row['status 2 proc p10']:.3f})", flush=True)
     if args.json:

@@ -2,9 +2,9 @@
 (axis ``"model"``) and data parallelism over requests and cache slots (axis ``"data"``).
 
 Runs on JAX's own engine: ``shard_map`` around the unsharded traceable step (the native
-custom calls then run once per shard on its local arrays), XLA collectives for the two
-reductions (the batch status, and in the layer the out_proj sum), ``jax.distributed`` for
-several processes. Nothing here moves a pool between devices.
+custom calls then run once per shard on its local arrays), XLA collectives for the
+reductions (the batch status over "data", and in the layer the out_proj sum over "model"),
+``jax.distributed`` for several processes. Nothing here moves a pool between devices.
 
 **Model axis (tp).** Shard ``r`` of ``tp`` owns key heads ``[r*H/tp, (r+1)*H/tp)``, their
 value heads ``[r*HV/tp, (r+1)*HV/tp)`` (value head h uses key head h // G, so a key-head
@@ -25,12 +25,14 @@ slot ids ``0..N-1`` (global slot ``g`` = ``d*N + local``): :func:`build_sharded_
 requests named by global slots and converts. Token arrays are ``[dp*T, ...]`` with shard ``d``'s
 bucket at rows ``[d*T, (d+1)*T)``; batch fields carry a leading ``[dp]`` axis.
 
-**Validation stays global.** Every shard checks its own batch; the statuses are combined
-with two tiny all-reduces *before any op runs*, and a batch refused anywhere runs as an
-all-padding batch on every shard: nothing is written anywhere and every cache comes back
-bit-identical. Status vectors here are ``int32[5] = (code, row, value, aux, data_shard)``
-of the first failing shard in mesh order (row, value and aux as in the unsharded step, in
-that shard's local terms).
+**Validation stays global.** Every shard checks its own batch, and a batch refused anywhere
+runs as an all-padding batch on every shard: nothing is written anywhere and every cache
+comes back bit-identical. A status depends on the batch metadata alone, which the shards of
+a data row share, so only data shards need to agree: with dp > 1 a tiny all-reduce over
+"data" *before any op runs* (and one after, of the kernels' own statuses); with dp = 1 none,
+and the layer step's only collective is its out_proj sum. Status vectors here are
+``int32[5] = (code, row, value, aux, data_shard)`` of the first failing data shard (row,
+value and aux as in the unsharded step, in that shard's local terms).
 
 Shapes in the docstrings: global (what the caller holds), with ``dp`` data shards of T
 tokens, S rows and N slots each.
@@ -360,14 +362,19 @@ def _fit(buckets, need, what) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def _global_status(status, dp: int, tp: int):
-    """int32[4] per shard -> int32[5] (status, data shard) of the first failing shard in mesh
-    order, the same on every shard. One all-reduce of dp*tp*5 int32 (each shard fills its
-    row): a latency-bound collective, so one call beats a pmin followed by a psum."""
+def _global_status(status, dp: int):
+    """int32[4] per shard -> int32[5] (status, data shard) of the first failing data shard, the
+    same on every shard. A status is a function of the batch metadata alone, which every shard
+    of a data row holds whole (replicated over "model"): the model shards of a row reach the
+    same verdict by themselves, so the agreement needs only "data": one all-reduce of dp*5
+    int32 over it (each data shard fills its row; one latency-bound call beats a pmin followed
+    by a psum), and none at all when dp = 1."""
+    status = status.astype(jnp.int32)
+    if dp == 1:
+        return jnp.concatenate([status, jnp.zeros((1,), jnp.int32)])
     d = jax.lax.axis_index(DATA)
-    me = d * tp + jax.lax.axis_index(MODEL)
-    mine = jnp.concatenate([status.astype(jnp.int32), d[None].astype(jnp.int32)])
-    table = jax.lax.psum(jnp.zeros((dp * tp, 5), jnp.int32).at[me].set(mine), (DATA, MODEL))
+    mine = jnp.concatenate([status, d[None].astype(jnp.int32)])
+    table = jax.lax.psum(jnp.zeros((dp, 5), jnp.int32).at[d].set(mine), DATA)
     bad = table[:, 0] != 0
     return jnp.where(jnp.any(bad), table[jnp.argmax(bad)], 0)
 
@@ -406,34 +413,45 @@ def _squeeze_batch(batch: BatchMetadata) -> BatchMetadata:
 # ---------------------------------------------------------------------------------------
 
 
-def _core_shard(config: GDNConfig, impl: str, kind: str, dp: int, tp: int, x, b, a, params, cache, batch):
-    """One shard's step: validate locally, agree globally, then run the unsharded step."""
-    batch = _squeeze_batch(batch)
+def _agreed_step(config: GDNConfig, impl: str, kind: str, dp: int, x, b, a, params, cache, batch):
+    """The unsharded step on one shard under a batch check every shard agrees on:
+    ``(out, cache, status int32[5])``. dp = 1: the step's own check is already global (every
+    shard holds the whole batch), so no collective. dp > 1: check locally, agree over "data"
+    *before any op runs* (a batch refused anywhere runs as all-padding everywhere), then agree
+    on the kernels' own statuses."""
+    if dp == 1:
+        out, cache, st = paths._step(config, impl, kind, x, b, a, params, cache, batch)
+        return out, cache, _global_status(st, 1)
     st = batch_status(batch, num_tokens=x.shape[0], num_slots=cache.num_slots, kinds=paths.STEP_KINDS[kind],
                       impl=impl)
-    st = _global_status(st, dp, tp)
-    out, cache, op_st = paths._step(config, impl, kind, x, b, a, params, cache,
-                                    paths._neutralise(batch, st[0] == 0))
-    op_st = _global_status(op_st, dp, tp)
-    return out, cache, jnp.where(st[0] != 0, st, op_st)
+    st = _global_status(st, dp)
+    out, cache, op_st = paths._step(config, impl, kind, x, b, a, params, cache, paths._neutralise(batch, st[0] == 0))
+    return out, cache, jnp.where(st[0] != 0, st, _global_status(op_st, dp))
 
 
-def _commit_shard(config: GDNConfig, impl: str, dp: int, tp: int, cache, spec_state_indices, num_accepted_tokens):
+def _core_shard(config: GDNConfig, impl: str, kind: str, dp: int, x, b, a, params, cache, batch):
+    """One shard's step (_agreed_step on its block of the stacked batch)."""
+    return _agreed_step(config, impl, kind, dp, x, b, a, params, cache, _squeeze_batch(batch))
+
+
+def _commit_shard(config: GDNConfig, impl: str, dp: int, cache, spec_state_indices, num_accepted_tokens):
     idx, acc = spec_state_indices[0], num_accepted_tokens[0]
+    if dp == 1:     # paths._commit checks before it writes, and every shard reaches the same verdict
+        cache, st = paths._commit(config, impl, cache, idx, acc)
+        return cache, _global_status(st, 1)
     S = idx.shape[0]
     live = idx[:, 0] != PAD_SLOT_ID
     # The check paths._commit makes (a spec step of zero-length rows), made here first so
-    # that every shard can refuse before any shard writes.
+    # that every data shard can refuse before any shard writes.
     meta = BatchMetadata(query_start_loc=jnp.zeros((S + 1,), jnp.int32), state_indices=idx,
                          row_kind=jnp.where(live, ROW_SPEC, ROW_PAD).astype(jnp.int32),
                          has_initial_state=jnp.ones((S,), bool), num_accepted_tokens=acc,
                          num_tokens=jnp.zeros((), jnp.int32))
     st = batch_status(meta, num_tokens=0, num_slots=cache.num_slots, kinds=(ROW_PAD, ROW_SPEC), impl=impl)
-    st = _global_status(st, dp, tp)
+    st = _global_status(st, dp)
     ok = st[0] == 0
     cache, op_st = paths._commit(config, impl, cache, jnp.where(ok, idx, PAD_SLOT_ID), jnp.where(ok, acc, 1))
-    op_st = _global_status(op_st, dp, tp)
-    return cache, jnp.where(st[0] != 0, st, op_st)
+    return cache, jnp.where(st[0] != 0, st, _global_status(op_st, dp))
 
 
 def _place_if_host(x, mesh, spec):
@@ -522,7 +540,7 @@ def _make_commit(core: GDNConfig, impl: str, mesh: Mesh):
         S = spec_state_indices.shape[1]
         _checks.check_index("spec_state_indices", spec_state_indices, (dp, S, cols), "[dp, S, num_spec + 1]")
         _checks.check_index("num_accepted_tokens", num_accepted_tokens, (dp, S), "[dp, S]")
-        f = shard_map(functools.partial(_commit_shard, local, impl, dp, tp), mesh=mesh,
+        f = shard_map(functools.partial(_commit_shard, local, impl, dp), mesh=mesh,
                       in_specs=(c_specs, P(DATA), P(DATA)), out_specs=(c_specs, P()))
         return f(cache, spec_state_indices, num_accepted_tokens)
 
@@ -589,7 +607,7 @@ class ShardedGDNAttention(_ShardedSteps):
             if n % dp:
                 raise ValueError(f"mixed_qkv has {n} tokens, not a multiple of dp={dp} (dp*T: T per data shard)")
             check_stacked_batch(batch, dp, full.num_spec)
-            f = shard_map(functools.partial(_core_shard, cfg, impl, kind, dp, tp), mesh=mesh,
+            f = shard_map(functools.partial(_core_shard, cfg, impl, kind, dp), mesh=mesh,
                           in_specs=(self.x_spec, self.x_spec, self.x_spec, core_param_specs(params), c_specs,
                                     BATCH_SPECS),
                           out_specs=(self.out_spec, c_specs, P()))
@@ -710,23 +728,20 @@ def load_sharded_layer_params(path, layer: int, config, mesh: Mesh, *, packed: b
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _layer_shard(config, impl: str, kind: str, dp: int, tp: int, scatter: bool, hidden, params, cache, batch):
+def _layer_shard(config, impl: str, kind: str, dp: int, scatter: bool, hidden, params, cache, batch):
     """One shard's layer step: in_proj of its channels, the core step under the global batch
-    check, its gated norm, its partial out_proj in f32 (zero rows for padding tokens and a
-    refused batch) and ONE reduction over "model" (psum, or reduce-scatter over tokens), rounded
-    once to the act dtype, as the unsharded layer."""
-    core_kind = LAYER_STEPS[kind]
+    check (_agreed_step), its gated norm, its partial out_proj in f32 (zero rows for padding
+    tokens and a refused batch) and ONE reduction over "model" (psum, or reduce-scatter over
+    tokens), rounded once to the act dtype, as the unsharded layer. With dp = 1 that reduction
+    is the step's only collective."""
     batch = _squeeze_batch(batch)
     T = hidden.shape[0]
-    st = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=paths.STEP_KINDS[core_kind], impl=impl)
-    st = _global_status(st, dp, tp)
     params = _packed_shapes_of(params, config)
     params.validate(config)
     mixed_qkv, z, b, a = in_projection(config, params, hidden, impl)
-    o, cache, op_st = paths._step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache,
-                                  paths._neutralise(batch, st[0] == 0))
+    o, cache, status = _agreed_step(config.core, impl, LAYER_STEPS[kind], dp, mixed_qkv, b, a, params.core, cache,
+                                    batch)
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps, impl).reshape(T, config.Z)
-    status = jnp.where(st[0] != 0, st, _global_status(op_st, dp, tp))
     part = _zero_padding(out_projection(params, y, impl, jnp.float32), batch.query_start_loc, status)
     if scatter:
         out = jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
@@ -797,7 +812,7 @@ class ShardedGatedDeltaNetLayer(_ShardedSteps):
             if scatter and (hidden.shape[0] // dp) % tp:
                 raise ValueError(f"scatter_output: the token bucket T={hidden.shape[0] // dp} must be a multiple "
                                  f"of tp={tp}")
-            f = shard_map(functools.partial(_layer_shard, cfg, impl, name, dp, tp, scatter), mesh=mesh,
+            f = shard_map(functools.partial(_layer_shard, cfg, impl, name, dp, scatter), mesh=mesh,
                           in_specs=(self.hidden_spec, layer_param_specs(params), c_specs, BATCH_SPECS),
                           out_specs=(self.out_spec, c_specs, P()))
             return f(hidden, params, cache, batch)

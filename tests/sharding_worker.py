@@ -349,29 +349,42 @@ def refused_steps(fam, shd, ref, rng, dp):
 
 
 def hlo_checks(fam):
-    """Compiled sharded steps: the only collectives are the small status all-reduces (and the
-    layer's one out_proj reduction), no pool-sized copy, and the pools come back in the
-    buffers they went in."""
-    mesh = sh.make_mesh(tp=2, dp=2)
+    """Compiled sharded steps on a 2 x 2 and a 1 x 2 (data x model) mesh: the only collectives
+    are the status all-reduces over "data" (none with one data shard) and the layer's one
+    out_proj reduction, no pool-sized copy, and the pools come back in the buffers they went in."""
+    for dp in (2, 1):
+        hlo_checks_on(fam, sh.make_mesh(tp=2, dp=dp))
+
+
+def data_groups(mesh):
+    """The replica groups of an all-reduce over "data" alone: the devices of each model index."""
+    devs = np.asarray(mesh.devices)
+    return sorted(sorted(int(d.id) for d in devs[:, r]) for r in range(devs.shape[1]))
+
+
+def hlo_checks_on(fam, mesh):
+    dp = sh.mesh_shape(mesh)[0]
     shd = Sharded(fam, "native", fam.params(1), mesh)
     local = sh.local_config(fam.core, 2)
     pool_shapes = {tuple(local.conv_state_shape(N)), tuple(local.ssm_state_shape(N))}
     out_shape = () if fam.what == "core" else ((T, fam.cfg.hidden_size),)   # the psum of out_proj
-    what = f"{fam.what} {fam.core.conv_state_layout}"
-    for kind, reqs, *acc in sequence(2):
+    what = f"{fam.what} {fam.core.conv_state_layout} dp={dp}"
+    status_groups = data_groups(mesh) if dp > 1 else None
+    for kind, reqs, *acc in sequence(dp):
         hb = shd.build(reqs)
         if kind == "commit_accepted":
             idx, acc = (sh.place(v, mesh, sh.P(sh.DATA)) for v in (hb.metadata.state_indices,
                                                                  shd.stacked_acc(hb, acc[0])))
             text = shd.engine.commit_accepted_with_status.lower(shd.cache, idx, acc).compile().as_text()
-            inspect_hlo(text, pool_shapes, f"{what} {kind}")
+            inspect_hlo(text, pool_shapes, f"{what} {kind}", status_groups=status_groups)
             continue
         arrays = [sh.place(v, mesh, spec) for v, spec in zip(shd.pack(hb, fam.inputs(reqs, np.random.default_rng(0))),
                                                              shd.engine._array_specs)]
         fn = getattr(shd.engine, f"{fam.name(kind)}_with_status")
         batch = sh._place_batch(hb, mesh)
         compiled = fn.lower(*arrays, shd.params, shd.cache, batch).compile()
-        inspect_hlo(compiled.as_text(), pool_shapes, f"{what} {kind}", allowed_reduce=out_shape)
+        inspect_hlo(compiled.as_text(), pool_shapes, f"{what} {kind}", allowed_reduce=out_shape,
+                    status_groups=status_groups)
         ptrs = [s.data.unsafe_buffer_pointer() for p in (shd.cache.conv_state, shd.cache.ssm_state)
                 for s in p.addressable_shards]
         _, shd.cache, _ = compiled(*arrays, shd.params, shd.cache, batch)     # the program just inspected
@@ -513,22 +526,35 @@ def misuse_checks(fam, impl):
         fail("the good batch after the refused ones gave non-finite output")
 
 
-def inspect_hlo(text, pool_shapes, what, allowed_reduce=()):
+def inspect_hlo(text, pool_shapes, what, allowed_reduce=(), status_groups=None):
     """No all-gather / all-to-all / collective-permute / reduce-scatter; all-reduces only of
-    the status tables (and of ``allowed_reduce`` shapes, exactly once each); no copy or
+    the status tables, each over ``status_groups`` (the "data" axis; None: no status
+    all-reduce at all), and of ``allowed_reduce`` shapes, exactly once each; no copy or
     convert of a pool-sized array; both pools aliased input -> output."""
     for op in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
         if re.search(rf"\b{op}(-start)?\(", text):
             fail(f"{what}: the compiled step has an {op}")
-    big = []
-    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{?[\d,]*\}? all-reduce(?:-start)?\(", text):
+    big, small = [], 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{?[\d,]*\}? all-reduce(?:-start)?\(([^\n]*)", text):
         dims = tuple(int(v) for v in m.group(2).split(",") if v)
         if int(np.prod(dims)) > 64:
             big.append(dims)
             if dims not in allowed_reduce:
                 fail(f"{what}: an all-reduce of {m.group(1)}{list(dims)}")
+            continue
+        small += 1
+        if status_groups is None:
+            fail(f"{what}: a status all-reduce of {m.group(1)}{list(dims)} on a mesh with one data shard "
+                 f"(its shards hold the same batch and need no agreement)")
+        g = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", m.group(3))
+        groups = sorted(sorted(int(v) for v in grp.split(",")) for grp in re.findall(r"\{([\d,]*)\}", g.group(1))) \
+            if g else None
+        if groups != status_groups:
+            fail(f"{what}: a status all-reduce over replica groups {groups}, expected the data axis {status_groups}")
     if sorted(big) != sorted(allowed_reduce):
         fail(f"{what}: all-reduces {big}, expected {list(allowed_reduce)}")
+    if status_groups is not None and small == 0:
+        fail(f"{what}: no status all-reduce over the data axis (the data shards must agree on the batch)")
     for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (copy|convert)\(", text):
         dims = tuple(int(v) for v in m.group(1).split(",") if v)
         if dims in pool_shapes:

@@ -1054,6 +1054,28 @@ def test_interleave_tool_reports_every_condition(capsys):
         assert handler <= wall and 0 <= to_handler / 1e3 <= wall and 0 <= back / 1e3 <= wall, r
 
 
+def test_sharded_step_tool_times_the_layer_in_one_and_across_two_processes(tmp_path):
+    """benchmarks/sharded_step.py --quick: per layer case the unsharded and sharded steps, the
+    collectives alone, and the layer step and collectives between two processes (gloo), each a
+    positive time with its p10 at most its median (the tool behind docs/scaling.md's tables)."""
+    gdn_jax = pytest.importorskip("gdn_jax")
+    if not gdn_jax.native_available():
+        pytest.skip("native extension not built")
+    out = tmp_path / "sharded.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, BENCH, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "sharded_step.py"), "--quick", "--what", "layer",
+                        "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == ["decode B=8", "prefill 128"]
+    for r in rows:
+        for k in ("1 dev", "tp=1 mesh", "tp=2", "psum", "status"):
+            assert r[k] > 0, (r["case"], k)
+        for k in ("layer step", "psum", "status"):
+            assert 0 < r[f"{k} 2 proc p10"] <= r[f"{k} 2 proc"], (r["case"], k)
+    assert "2 processes (tp=2): layer step" in p.stdout, p.stdout
+
+
 def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
     """run._fork_join: per-call means of the counters; the time in parallel-fors as the median per
     call (read against median wall times), so one slow call does not lift it."""
