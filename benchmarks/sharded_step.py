@@ -22,9 +22,9 @@ Columns, per case (medians over interleaved rounds, milliseconds):
   ``status``: the batch-status all-reduce of a dp = 2 mesh alone (int32 [2, 5] over "data",
   twice per step there; a mesh with one data shard has none);
 * ``layer step 2 proc``: the layer step at tp = 2 between two processes over gloo (one
-  device each), and ``psum 2 proc`` / ``status 2 proc`` the same collectives between them
-  (what a 2-socket or 2-host deployment pays per layer step, at loopback speed), median
-  and p10.
+  device each); ``layer step dp=2 2 proc`` at dp = 2 (each process the case's batch in its
+  own slots); ``psum 2 proc`` / ``status 2 proc`` the collectives between them (what a
+  2-socket or 2-host deployment pays per layer step, at loopback speed); median and p10.
 
 glibc's allocator is tuned as a server runs it, in both processes of the collective run too
 (--malloc, as layer_breakdown.py).
@@ -72,10 +72,10 @@ def cases(quick):
             ("prefill 512", "prefill", [512])]
 
 
-def requests(kind, lens):
+def requests(kind, lens, first_slot=0):
     if kind == "decode":
-        return [Request.decode(i) for i in range(len(lens))]
-    return [Request.prefill(i, n) for i, n in enumerate(lens)]
+        return [Request.decode(first_slot + i) for i in range(len(lens))]
+    return [Request.prefill(first_slot + i, n) for i, n in enumerate(lens)]
 
 
 def bucket(n, lo=8):
@@ -122,14 +122,18 @@ def runners(what, cfg, kind, lens, params_full, mesh1, mesh2, num_slots):
 
 def sharded_runner(what, cfg, kind, lens, params_full, mesh, num_slots):
     """The sharded step's Runner on ``mesh`` (works across processes: every process passes the
-    same host arrays and places its own shards)."""
+    same host arrays and places its own shards). Each data shard serves the case's batch in
+    its own slots, so a data shard's work is the case's."""
     reqs, T, S, arrays = step_inputs(what, cfg, kind, lens)
+    dp = sh.mesh_shape(mesh)[0]
+    reqs = [r for d in range(dp) for r in requests(kind, lens, first_slot=d * num_slots)]
+    arrays = [np.concatenate([x] * dp, axis=0) for x in arrays]
     if what == "layer":
         eng = sh.ShardedGatedDeltaNetLayer(cfg, mesh)
     else:       # plain -> shard-major channels, once, outside the timing
         arrays[0] = arrays[0][:, sh.qkv_channel_order(cfg.core, sh.mesh_shape(mesh)[1])]
         eng, params_full = sh.ShardedGDNAttention(cfg.core, mesh), params_full.core
-    shb = sh.build_sharded_batch(reqs, num_slots=num_slots, num_data=1, token_bucket=T, row_bucket=S)
+    shb = sh.build_sharded_batch(reqs, num_slots=num_slots, num_data=dp, token_bucket=T, row_bucket=S)
     placed = [sh.place(x, mesh, spec) for x, spec in zip(arrays, eng._array_specs)]
     return Runner(getattr(eng, f"{kind}_with_status"), placed, eng.shard_params(params_full),
                   eng.create_cache(num_slots), sh._place_batch(shb, mesh))
@@ -196,8 +200,9 @@ def main_role(args):
 
 
 def dist_role(args):
-    """Two processes, one device each, over gloo: the layer step at tp = 2 across them, and its
-    collectives alone (the psum of [T, hidden] f32; the status all-reduce of a dp = 2 mesh)."""
+    """Two processes, one device each, over gloo: the layer step at tp = 2 across them and at
+    dp = 2 (each process its own batch of the case), and the collectives alone (the psum of
+    [T, hidden] f32; the status all-reduce of a dp = 2 mesh)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=2,
                                process_id=args.process_id)
@@ -207,7 +212,9 @@ def dist_role(args):
     out = {}
     for label, kind, lens in cases(args.quick):
         calls = collective_runners(mesh, data_mesh, bucket(sum(lens)), cfg.hidden_size)
-        calls["layer step"] = sharded_runner("layer", cfg, kind, lens, params, mesh, num_slots=16 if args.quick else 64)
+        slots = 16 if args.quick else 64
+        calls["layer step"] = sharded_runner("layer", cfg, kind, lens, params, mesh, slots)
+        calls["layer step dp=2"] = sharded_runner("layer", cfg, kind, lens, params, data_mesh, slots)
         times = interleaved_times(calls, 5 if args.quick else args.rounds)
         # p10 beside the median: over gloo a call takes either ~0.2-0.5 ms or a scheduler tick
         # (~4 ms here), so the median alone can land on either (docs/scaling.md)
@@ -259,8 +266,9 @@ def main():
         if row["what"] != "layer":
             continue
         row.update(cross[row["case"]])
-        print(f"{row['case']:12s} 2 processes (tp=2): layer step {row['layer step 2 proc']:8.3f} ms "
-              f"(p10 {row['layer step 2 proc p10']:.3f}), psum {row['psum 2 proc']:8.3f} ms "
+        print(f"{row['case']:12s} 2 processes: layer step tp=2 {row['layer step 2 proc']:8.3f} ms "
+              f"(p10 {row['layer step 2 proc p10']:.3f}), dp=2 {row['layer step dp=2 2 proc']:8.3f} ms "
+              f"(p10 {row['layer step dp=2 2 proc p10']:.3f}), psum {row['psum 2 proc']:8.3f} ms "
               f"(p10 {row['psum 2 proc p10']:.3f}; {row['psum_bytes'] / 2**10:.0f} KiB per device), "
               f"status {row['status 2 proc']:.3f} ms (p10 {row['status 2 proc p10']:.3f})", flush=True)
     if args.json:

@@ -350,7 +350,7 @@ def refused_steps(fam, shd, ref, rng, dp):
 
 def hlo_checks(fam):
     """Compiled sharded steps on a 2 x 2 and a 1 x 2 (data x model) mesh: the only collectives
-    are the status all-reduces over "data" (none with one data shard) and the layer's one
+    are one status all-reduce over "data" (none with one data shard) and the layer's one
     out_proj reduction, no pool-sized copy, and the pools come back in the buffers they went in."""
     for dp in (2, 1):
         hlo_checks_on(fam, sh.make_mesh(tp=2, dp=dp))
@@ -528,9 +528,9 @@ def misuse_checks(fam, impl):
 
 def inspect_hlo(text, pool_shapes, what, allowed_reduce=(), status_groups=None):
     """No all-gather / all-to-all / collective-permute / reduce-scatter; all-reduces only of
-    the status tables, each over ``status_groups`` (the "data" axis; None: no status
-    all-reduce at all), and of ``allowed_reduce`` shapes, exactly once each; no copy or
-    convert of a pool-sized array; both pools aliased input -> output."""
+    one status table over ``status_groups`` (the "data" axis; None: no status all-reduce at
+    all) and of ``allowed_reduce`` shapes, exactly once each; no copy or convert of a
+    pool-sized array; both pools aliased input -> output."""
     for op in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
         if re.search(rf"\b{op}(-start)?\(", text):
             fail(f"{what}: the compiled step has an {op}")
@@ -553,8 +553,9 @@ def inspect_hlo(text, pool_shapes, what, allowed_reduce=(), status_groups=None):
             fail(f"{what}: a status all-reduce over replica groups {groups}, expected the data axis {status_groups}")
     if sorted(big) != sorted(allowed_reduce):
         fail(f"{what}: all-reduces {big}, expected {list(allowed_reduce)}")
-    if status_groups is not None and small == 0:
-        fail(f"{what}: no status all-reduce over the data axis (the data shards must agree on the batch)")
+    if status_groups is not None and small != 1:
+        fail(f"{what}: {small} status all-reduces, expected one over the data axis (the data shards agree on "
+             f"the batch before any op runs; the kernels' statuses need no second agreement)")
     for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (copy|convert)\(", text):
         dims = tuple(int(v) for v in m.group(1).split(",") if v)
         if dims in pool_shapes:

@@ -1071,9 +1071,9 @@ def test_sharded_step_tool_times_the_layer_in_one_and_across_two_processes(tmp_p
     for r in rows:
         for k in ("1 dev", "tp=1 mesh", "tp=2", "psum", "status"):
             assert r[k] > 0, (r["case"], k)
-        for k in ("layer step", "psum", "status"):
+        for k in ("layer step", "layer step dp=2", "psum", "status"):
             assert 0 < r[f"{k} 2 proc p10"] <= r[f"{k} 2 proc"], (r["case"], k)
-    assert "2 processes (tp=2): layer step" in p.stdout, p.stdout
+    assert "2 processes: layer step tp=2" in p.stdout, p.stdout
 
 
 def test_fork_join_summary_means_per_call_and_the_median_time_in_forks():
