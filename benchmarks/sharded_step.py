@@ -20,7 +20,7 @@ Columns, per case (medians over interleaved rounds, milliseconds):
 * ``tp=2``: the sharded step on 2 devices of one process (each shard half the heads);
 * ``psum``: the out_proj reduction alone, ``[T, hidden]`` f32 over the 2 devices, and
   ``status``: the batch-status all-reduce of a dp = 2 mesh alone (int32 [2, 5] over "data",
-  twice per step there; a mesh with one data shard has none);
+  once per step there; a mesh with one data shard has none);
 * ``layer step 2 proc``: the layer step at tp = 2 between two processes over gloo (one
   device each); ``layer step dp=2 2 proc`` at dp = 2 (each process the case's batch in its
   own slots); ``psum 2 proc`` / ``status 2 proc`` the collectives between them (what a

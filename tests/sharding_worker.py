@@ -526,6 +526,23 @@ def misuse_checks(fam, impl):
         fail("the good batch after the refused ones gave non-finite output")
 
 
+def replica_groups(attrs):
+    """An HLO collective's replica groups as sorted lists of device ids, from the explicit form
+    ``replica_groups={{0,2},{1,3}}`` or the iota form ``replica_groups=[2,2]<=[2,2]T(1,0)``;
+    None if neither is there."""
+    g = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if g:
+        return sorted(sorted(int(v) for v in grp.split(",")) for grp in re.findall(r"\{([\d,]*)\}", g.group(1)))
+    g = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if not g:
+        return None
+    shape, dims = ([int(v) for v in x.split(",")] for x in g.groups()[:2])
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if g.group(3):
+        ids = ids.transpose([int(v) for v in g.group(3).split(",")])
+    return sorted(sorted(int(v) for v in row) for row in ids.reshape(shape))
+
+
 def inspect_hlo(text, pool_shapes, what, allowed_reduce=(), status_groups=None):
     """No all-gather / all-to-all / collective-permute / reduce-scatter; all-reduces only of
     one status table over ``status_groups`` (the "data" axis; None: no status all-reduce at
@@ -546,9 +563,7 @@ def inspect_hlo(text, pool_shapes, what, allowed_reduce=(), status_groups=None):
         if status_groups is None:
             fail(f"{what}: a status all-reduce of {m.group(1)}{list(dims)} on a mesh with one data shard "
                  f"(its shards hold the same batch and need no agreement)")
-        g = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", m.group(3))
-        groups = sorted(sorted(int(v) for v in grp.split(",")) for grp in re.findall(r"\{([\d,]*)\}", g.group(1))) \
-            if g else None
+        groups = replica_groups(m.group(3))
         if groups != status_groups:
             fail(f"{what}: a status all-reduce over replica groups {groups}, expected the data axis {status_groups}")
     if sorted(big) != sorted(allowed_reduce):
