@@ -5,11 +5,13 @@ processes (jax.distributed, gloo over loopback), and the layer step across those
     PYTHONPATH=. python benchmarks/sharded_step.py                 # everything (a few minutes)
     PYTHONPATH=. python benchmarks/sharded_step.py --quick         # small shapes, few reps
     PYTHONPATH=. python benchmarks/sharded_step.py --json out.json
+    PYTHONPATH=. python benchmarks/sharded_step.py --weights packed  # the layer's packed projections
 
 Shapes: Qwen3-Next-80B's GDN layer (hidden 2048, H = 16, HV = 32, K = V = 128, W = 4,
 bf16 activations, f32 state): "core" rows time the attention core (conv + gating +
 recurrence, ShardedGDNAttention), "layer" rows the whole layer (in_proj -> core -> gated norm
--> out_proj, ShardedGatedDeltaNetLayer). Cases: decode of B requests, and a prefill of one
+-> out_proj, ShardedGatedDeltaNetLayer), its weights in [out, in] layout or, with --weights
+packed, packed as serving loads them (GDNLayerParams.packed; each shard packs its own part). Cases: decode of B requests, and a prefill of one
 512-token request.
 
 Columns, per case (medians over interleaved rounds, milliseconds):
@@ -63,6 +65,11 @@ def layer_config(quick):
     if quick:
         return GDNLayerConfig(hidden_size=256, core=GDNConfig(4, 8, 64, 64))
     return GDNLayerConfig(hidden_size=2048, core=GDNConfig(16, 32, 128, 128))
+
+
+def layer_params(cfg, weights):
+    params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))
+    return params.packed() if weights == "packed" else params
 
 
 def cases(quick):
@@ -182,7 +189,7 @@ def main_role(args):
     devs = jax.devices()
     mesh1, mesh2 = sh.make_mesh(tp=1, devices=devs[:1]), sh.make_mesh(tp=2, devices=devs[:2])
     data_mesh = sh.make_mesh(tp=1, dp=2, devices=devs[:2])
-    params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))
+    params = layer_params(cfg, args.weights)
     rows = []
     rounds = 5 if args.quick else args.rounds
     for what in args.what.split(","):
@@ -191,7 +198,7 @@ def main_role(args):
             if what == "layer":
                 calls.update(collective_runners(mesh2, data_mesh, T, cfg.hidden_size))
             med = interleaved(calls, rounds)
-            row = {"what": what, "case": label, "T": T, **{k: v * 1e3 for k, v in med.items()},
+            row = {"what": what, "case": label, "T": T, "weights": args.weights, **{k: v * 1e3 for k, v in med.items()},
                    "psum_bytes": T * cfg.hidden_size * 4, "load_avg": os.getloadavg()[0]}
             rows.append(row)
             print(f"{what:5s} {label:12s} T={T:4d}  " + "  ".join(f"{k} {v * 1e3:8.3f} ms" for k, v in med.items())
@@ -208,7 +215,7 @@ def dist_role(args):
                                process_id=args.process_id)
     mesh, data_mesh = sh.make_mesh(tp=2), sh.make_mesh(tp=1, dp=2)
     cfg = layer_config(args.quick)
-    params = GDNLayerParams.random(cfg, jax.random.PRNGKey(0))      # the same in both processes
+    params = layer_params(cfg, args.weights)      # the same in both processes
     out = {}
     for label, kind, lens in cases(args.quick):
         calls = collective_runners(mesh, data_mesh, bucket(sum(lens)), cfg.hidden_size)
@@ -231,7 +238,8 @@ def two_process_collectives(args):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gdn_sharded_step_{os.getpid()}.json")
-    extra = (["--quick"] if args.quick else ["--rounds", str(args.rounds)]) + ["--malloc", args.malloc]
+    extra = (["--quick"] if args.quick else ["--rounds", str(args.rounds)]) + ["--malloc", args.malloc,
+                                                                             "--weights", args.weights]
     env = dict(os.environ, XLA_FLAGS=BASE_XLA_FLAGS)          # one device per process
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "dist", "--process-id", str(i),
                                "--port", str(port), "--out", out, *extra], env=env) for i in range(2)]
@@ -249,6 +257,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--what", default="core,layer", help="core, layer or both (comma-separated)")
+    ap.add_argument("--weights", choices=["plain", "packed"], default="plain",
+                    help="the layer's projections: [out, in] (plain) or packed (GDNLayerParams.packed)")
     ap.add_argument("--json")
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
@@ -259,7 +269,7 @@ def main():
     if args.role == "dist":
         return dist_role(args)
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}; "
-          f"ISA {selected_isa()}; {malloc_text}", flush=True)
+          f"ISA {selected_isa()}; {malloc_text}; layer weights {args.weights}", flush=True)
     rows = main_role(args)
     cross = two_process_collectives(args)
     for row in rows:

@@ -1055,19 +1055,20 @@ def test_interleave_tool_reports_every_condition(capsys):
 
 
 def test_sharded_step_tool_times_the_layer_in_one_and_across_two_processes(tmp_path):
-    """benchmarks/sharded_step.py --quick: per layer case the unsharded and sharded steps, the
-    collectives alone, and the layer step and collectives between two processes (gloo), each a
-    positive time with its p10 at most its median (the tool behind docs/scaling.md's tables)."""
+    """benchmarks/sharded_step.py --quick (packed projections): per layer case the unsharded and
+    sharded steps, the collectives alone, and the layer step and collectives between two processes
+    (gloo), each a positive time with its p10 at most its median (the tool behind docs/scaling.md's
+    tables)."""
     gdn_jax = pytest.importorskip("gdn_jax")
     if not gdn_jax.native_available():
         pytest.skip("native extension not built")
     out = tmp_path / "sharded.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, BENCH, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, os.path.join(BENCH, "sharded_step.py"), "--quick", "--what", "layer",
-                        "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+                        "--weights", "packed", "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())
-    assert [r["case"] for r in rows] == ["decode B=8", "prefill 128"]
+    assert [(r["case"], r["weights"]) for r in rows] == [("decode B=8", "packed"), ("prefill 128", "packed")]
     for r in rows:
         for k in ("1 dev", "tp=1 mesh", "tp=2", "psum", "status"):
             assert r[k] > 0, (r["case"], k)
