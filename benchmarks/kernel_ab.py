@@ -66,7 +66,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the revision to compare against (default HEAD)")
     ap.add_argument("--isa", default="avx512bf16", help="the ISA unit to compare (this CPU must run it)")
-    ap.add_argument("--cases", default="gating,conv_fwd,conv_update,decode,chunk,conv_chunk")
+    ap.add_argument("--cases", default="gating,conv_fwd,conv_update,decode,chunk,conv_chunk",
+                    help="comma-separated, or 'all' (the driver's list, gdn_kernel_ab's usage line)")
     ap.add_argument("--tokens", type=int, default=2048,
                     help="T of gating, conv_fwd, chunk, conv_chunk, in_proj, out_proj")
     ap.add_argument("--batch", type=int, default=8, help="B of conv_update and decode")

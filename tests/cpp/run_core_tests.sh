@@ -28,7 +28,7 @@ if [ "$(nproc)" -ge 2 ]; then  # pins two CPUs
 fi
 # The A/B driver (benchmarks/kernel_ab.py) with this tree as its own base: every case must write
 # the same bits in both builds (the comparison can fail: --expect-same-bits exits 1).
-"$CORE_BUILD/gdn_kernel_ab" --cases gating,conv_fwd,conv_update,decode,chunk,conv_chunk,in_proj,out_proj --tokens 70 --batch 2 --pool-mib 8 --rounds 2 --round-ms 1 --expect-same-bits 1 >/dev/null
+"$CORE_BUILD/gdn_kernel_ab" --cases all --tokens 70 --batch 2 --pool-mib 8 --rounds 2 --round-ms 1 --expect-same-bits 1 >/dev/null
 
 if [ "${GDN_SKIP_ARM:-0}" = 1 ]; then echo "== aarch64: skipped (GDN_SKIP_ARM=1)"; exit 0; fi
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
