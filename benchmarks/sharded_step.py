@@ -72,6 +72,11 @@ def layer_params(cfg, weights):
     return params.packed() if weights == "packed" else params
 
 
+def sizes(args):
+    """(rounds, slots per data shard) of this run."""
+    return (5, 16) if args.quick else (args.rounds, 64)
+
+
 def cases(quick):
     if quick:
         return [("decode B=8", "decode", [1] * 8), ("prefill 128", "prefill", [128])]
@@ -131,7 +136,7 @@ def sharded_runner(what, cfg, kind, lens, params_full, mesh, num_slots):
     """The sharded step's Runner on ``mesh`` (works across processes: every process passes the
     same host arrays and places its own shards). Each data shard serves the case's batch in
     its own slots, so a data shard's work is the case's."""
-    reqs, T, S, arrays = step_inputs(what, cfg, kind, lens)
+    _, T, S, arrays = step_inputs(what, cfg, kind, lens)
     dp = sh.mesh_shape(mesh)[0]
     reqs = [r for d in range(dp) for r in requests(kind, lens, first_slot=d * num_slots)]
     arrays = [np.concatenate([x] * dp, axis=0) for x in arrays]
@@ -191,10 +196,10 @@ def main_role(args):
     data_mesh = sh.make_mesh(tp=1, dp=2, devices=devs[:2])
     params = layer_params(cfg, args.weights)
     rows = []
-    rounds = 5 if args.quick else args.rounds
+    rounds, slots = sizes(args)
     for what in args.what.split(","):
         for label, kind, lens in cases(args.quick):
-            calls, T = runners(what, cfg, kind, lens, params, mesh1, mesh2, num_slots=16 if args.quick else 64)
+            calls, T = runners(what, cfg, kind, lens, params, mesh1, mesh2, num_slots=slots)
             if what == "layer":
                 calls.update(collective_runners(mesh2, data_mesh, T, cfg.hidden_size))
             med = interleaved(calls, rounds)
@@ -216,13 +221,13 @@ def dist_role(args):
     mesh, data_mesh = sh.make_mesh(tp=2), sh.make_mesh(tp=1, dp=2)
     cfg = layer_config(args.quick)
     params = layer_params(cfg, args.weights)      # the same in both processes
+    rounds, slots = sizes(args)
     out = {}
     for label, kind, lens in cases(args.quick):
         calls = collective_runners(mesh, data_mesh, bucket(sum(lens)), cfg.hidden_size)
-        slots = 16 if args.quick else 64
         calls["layer step"] = sharded_runner("layer", cfg, kind, lens, params, mesh, slots)
         calls["layer step dp=2"] = sharded_runner("layer", cfg, kind, lens, params, data_mesh, slots)
-        times = interleaved_times(calls, 5 if args.quick else args.rounds)
+        times = interleaved_times(calls, rounds)
         # p10 beside the median: over gloo a call takes either ~0.2-0.5 ms or a scheduler tick
         # (~4 ms here), so the median alone can land on either (docs/scaling.md)
         out[label] = {f"{k} 2 proc{q}": float(np.percentile(times[k], pct)) * 1e3
