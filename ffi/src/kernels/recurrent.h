@@ -39,6 +39,14 @@ constexpr int kRecWideVF = 8;           // 128-column blocks where they pay (rec
 constexpr bool kRecStashBf16 = true;    // widened once into loc (not measured otherwise)
 constexpr int kRecWideVF = 0;           // none: 8 VF of two ymm each would not stay in registers
 #endif
+// A bf16 state's decode rows prefetch the row's next head whole, in address order, a share per
+// narrow block (recurrent_impl, head-ahead); otherwise a block prefetches the next block. Measured
+// on AVX2 only.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kRecHeadAhead = true;
+#else
+constexpr bool kRecHeadAhead = false;
+#endif
 constexpr int kRecBlock = kRecBlockVF * kLanes;  // 32 columns
 constexpr int kRecWide = kRecWideVF * kLanes;    // 128 columns on AVX-512
 // loc: a block's f32 state between tokens, kRecMaxDim rows of the widest block (128 KiB on AVX-512).
@@ -218,16 +226,20 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, int LD, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
-                          VF* kvn, const ST* pf, int pf_phase, int pf_every, bool pf_rest) {
+                          VF* kvn, const ST* pf, int64_t pf_ld, const ST* pf2, int pf_phase, int pf_every,
+                          bool pf_rest) {
   VF oa[NV], na[NV];
   for (int c = 0; c < NV; ++c) oa[c] = na[c] = vzero();
   const VF va = vset1(alpha);
   int64_t k = 0;
   int ph = 0;
   for (; k + 1 < K; k += 2) {
-    if (pf != nullptr && ph == pf_phase) {  // see above
-      if (pf_rest) rec_prefetch_rows<NV, 2>(pf + k * d_ld, d_ld);
-      else rec_prefetch_rows<NV>(pf + k * d_ld, d_ld);
+    if (ph == pf_phase) {  // see above
+      if (pf != nullptr) {
+        if (pf_rest) rec_prefetch_rows<NV, 2>(pf + k * pf_ld, pf_ld);
+        else rec_prefetch_rows<NV>(pf + k * pf_ld, pf_ld);
+      }
+      if (pf2 != nullptr) rec_prefetch_rows<NV>(pf2 + k * d_ld, d_ld);
     }
     if (++ph == pf_every) ph = 0;
     rec_row<NV, kFull, kNext, kLoc, kNT, kPair>(s + k * s_ld, dst + k * d_ld, loc + k * LD, va, d, kh[k],
@@ -248,11 +260,11 @@ GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, flo
 template <int NV, bool kFull, bool kPair, int LD, class Src, class ST>
 inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t s_ld, ST* dst, int64_t d_ld,
                          float* loc, int64_t K, float alpha, const VF* d, const float* kh, const float* qh,
-                         const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int pf_phase, int pf_every,
-                         bool pf_rest) {
+                         const float* khn, int ncol, VF* o, VF* kvn, const ST* pf, int64_t pf_ld, const ST* pf2,
+                         int pf_phase, int pf_every, bool pf_rest) {
 #define GDN_REC_PASS(kNext, kLoc, kNT)                                                                       \
   rec_pass<NV, kFull, kNext, kLoc, kNT, kPair, LD>(s, s_ld, dst, d_ld, loc, K, alpha, d, kh, qh, khn, ncol, o, kvn, pf, \
-                                               pf_phase, pf_every, pf_rest)
+                                               pf_ld, pf2, pf_phase, pf_every, pf_rest)
   if (kFull && nt) {
     if (next) {
       if (use_loc) GDN_REC_PASS(true, true, kFull);
@@ -282,7 +294,8 @@ inline void rec_pass_any(bool next, bool use_loc, bool nt, const Src* s, int64_t
 // LD: loc's row stride (the block's width; 16-column pieces of a narrow tail keep kRecBlock).
 template <int NV, bool kFull, int LD, class A, class ST, class Src>
 inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V,
-                            int64_t col, int ncol, bool keep, float* loc, const ST* pf) {
+                            int64_t col, int ncol, bool keep, float* loc, const ST* pf, int64_t pf_ld,
+                            const ST* pf2) {
   constexpr bool kF32 = std::is_same<ST, float>::value;
   constexpr bool kPair = rec_pairs<NV, kFull, ST>();  // the pool block, v and o; loc as it is
   constexpr int U = rec_unit<kPair>();
@@ -302,9 +315,9 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
   constexpr bool kKvPf = kF32 && kRecWideVF > 0 && NV == kRecWideVF;
   const bool kv_pf = kKvPf && g.n == 1 && pf != nullptr;
   if (kv_pf) {
-    if constexpr (kKvPf) rec_kv<NV, kFull, kStash, kKvPair, true>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
+    if constexpr (kKvPf) rec_kv<NV, kFull, kStash, kKvPair, true>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, pf_ld);
   } else {
-    rec_kv<NV, kFull, kStash, kKvPair, false>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, V);
+    rec_kv<NV, kFull, kStash, kKvPair, false>(src, s_ld, K, g.kh[0], ncol, kv, loc, pf, pf_ld);
   }
   bool prev_loc = false;
   for (int t = 0; t < g.n; ++t) {
@@ -321,16 +334,16 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
     if (t == 0) {
       if constexpr (kStash)  // loc -> loc in place, as below
         rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, static_cast<const float*>(loc), LD, dst, V, loc, K,
-                                       g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, 0, g.n, kv_pf);
+                                       g.alpha[t], d, g.kh[t], g.qh[t], khn, ncol, o, kv, pf, pf_ld, pf2, 0, g.n, kv_pf);
       else
         rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, src, s_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t], g.qh[t],
-                                       khn, ncol, o, kv, pf, 0, g.n, kv_pf);
+                                       khn, ncol, o, kv, pf, pf_ld, pf2, 0, g.n, kv_pf);
     } else {
       // loc -> loc in place is safe: each row k is read before it is written.
       const float* cont = prev_loc ? loc : reinterpret_cast<const float*>(g.dst[t - 1] + col);
       const int64_t cont_ld = prev_loc ? LD : V;
       rec_pass_any<NV, kFull, kPair, LD>(next, use_loc, nt, cont, cont_ld, dst, V, loc, K, g.alpha[t], d, g.kh[t],
-                                     g.qh[t], khn, ncol, o, kv, pf, t, g.n, kv_pf);
+                                     g.qh[t], khn, ncol, o, kv, pf, pf_ld, pf2, t, g.n, kv_pf);
     }
     for (int c = 0; c < NV; c += U) rec_st<U, kFull, kPair>(g.o[t] + col + c * kLanes, o + c, ncol);
     prev_loc = use_loc;
@@ -342,22 +355,25 @@ inline void rec_group_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_
 // pf: see rec_pass (full blocks only).
 template <class A, class ST, class Src>
 inline void rec_block(const RecGroup<A, ST>& g, const Src* src, int64_t s_ld, int64_t K, int64_t V, int64_t col,
-                      int64_t w, bool keep, float* loc, const ST* pf) {
+                      int64_t w, bool keep, float* loc, const ST* pf, int64_t pf_ld, const ST* pf2) {
   if constexpr (kRecWideVF > 0) {
     if (w == kRecWide) {
-      rec_group_block<kRecWideVF, true, kRecWide>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
+      rec_group_block<kRecWideVF, true, kRecWide>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf, pf_ld, pf2);
       return;
     }
   }
   if (w == kRecBlock) {
-    rec_group_block<kRecBlockVF, true, kRecBlock>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf);
+    rec_group_block<kRecBlockVF, true, kRecBlock>(g, src, s_ld, K, V, col, kLanes, keep, loc, pf, pf_ld, pf2);
     return;
   }
   const ST* no_pf = nullptr;
   for (int64_t off = 0; off < w; off += kLanes) {
     const int64_t n = rec_min(kLanes, w - off);
-    if (n == kLanes) rec_group_block<1, true, kRecBlock>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, no_pf);
-    else rec_group_block<1, false, kRecBlock>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, no_pf);
+    if (n == kLanes)
+      rec_group_block<1, true, kRecBlock>(g, src + off, s_ld, K, V, col + off, kLanes, keep, loc + off, no_pf, V, no_pf);
+    else
+      rec_group_block<1, false, kRecBlock>(g, src + off, s_ld, K, V, col + off, int(n), keep, loc + off, no_pf, V,
+                                           no_pf);
   }
 }
 
@@ -398,6 +414,9 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
   const int64_t S = p.S, H = p.H, HV = p.HV, K = p.K, V = p.V, T = p.T, cols = p.index_cols;
   const int64_t G = HV / H, qk_ld = qk_row_stride(p), v_ld = v_row_stride(p);
   const int64_t head_elems = K * V;
+  // Head-ahead prefetch (below) for a bf16 state's decode rows; an f32 state measured no gain (at
+  // the bandwidth), spec rows (the next block prefetched over their token passes) lost.
+  constexpr bool kAhead = kRecHeadAhead && std::is_same<ST, bf16>::value;
 
   // Tokens no row covers: zero output.
   const int64_t covered = S > 0 ? int64_t(qsl[S]) : 0;
@@ -462,22 +481,41 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
       // rows of several tokens: their f32 copy between tokens (loc, 64 KiB for a 128 x 128 head)
       // would leave L1 (ffi/README.md, Recurrent decode / spec, "Wide blocks").
       const bool wide = kRecWideVF > 0 && (std::is_same<ST, float>::value || nq == 1);
+      // The next item is this row's next head (one slot holds a row's HV heads in order); the
+      // previous item was this row's previous head, so its passes prefetched this one.
+      const bool next_head = it + 1 < it1 && nsplit == 1 && h + 1 < HV;
+      const bool head_fetched = it > it0 && h > 0;
       for (int64_t col = c0, w = 0; col < c1; col += w) {
         const bool wide_block = wide && c1 - col >= kRecWide;
         const int64_t bw = wide_block ? kRecWide : kRecBlock;
         w = rec_min(bw, c1 - col);
-        // Prefetch target: the next block of this head, else the next head's first block
-        // when the next item is the same row's next head and starts from the same slot.
+        // Prefetch targets (ffi/README.md, Recurrent decode / spec, "Prefetch" and "Head-ahead").
+        // Head-ahead (kAhead): when the next item is this row's next head (the next head_elems of
+        // the slot), full block b prefetches the b-th K x kRecBlock share of that head in address
+        // order (pf, row stride kRecBlock), so the whole head is in L2 when its item starts; a head
+        // that no item prefetched (a range's first) also prefetches its own next block (pf2).
+        // Otherwise: the next block of this head, else the next head's first block.
         const ST* pf = nullptr;
-        if (col + bw < c1) pf = start + col + bw;
-        else if (it + 1 < it1 && nsplit == 1 && h + 1 < HV) pf = start + head_elems;
+        const ST* pf2 = nullptr;
+        int64_t pf_ld = V;
+        if (kAhead && nsplit == 1 && nq == 1) {
+          if (next_head && w == kRecBlock) {
+            pf = start + head_elems + (col / kRecBlock) * K * kRecBlock;
+            pf_ld = kRecBlock;
+          }
+          if (!head_fetched && col + bw < c1) pf2 = start + col + bw;
+        } else if (col + bw < c1) {
+          pf = start + col + bw;
+        } else if (next_head) {
+          pf = start + head_elems;
+        }
         for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
           const int n = int(rec_min(kRecTokGroup, nq - t0));
           if (!one_group) prepare(t0, n);
           const bool keep = t0 + n < nq;  // then the group leaves its state in loc (row stride bw)
-          if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc, pf);
+          if (t0 == 0) rec_block(g, start + col, V, K, V, col, w, keep, loc, pf, pf_ld, pf2);
           else rec_block(g, static_cast<const float*>(loc), bw, K, V, col, w, keep, loc,
-                         static_cast<const ST*>(nullptr));
+                         static_cast<const ST*>(nullptr), V, static_cast<const ST*>(nullptr));
         }
       }
     }
