@@ -210,19 +210,21 @@ GDN_REC_INLINE void rec_row(const Src* s, ST* dst, float* loc, VF va, const VF* 
 //   to loc (f32, row stride LD: the block's width); o = S'ᵀ q̂; if kNext, kvn = S'ᵀ k̂_next.
 //   o and kvn accumulate over k in one chain per column (ffi/README.md, "One accumulator
 //   chain"): with rec_kv's even / odd pairs AVX2 ran out of ymm registers in the spec passes.
-// pf (may be null): the next column block to be read from memory (a pool block, dst's row stride
-// d_ld); this pass prefetches the row pairs k / 2 = pf_phase (mod pf_every) of it beside the same
-// rows of this one, so that reads are in flight while the group's passes compute (nothing else
-// reads memory meanwhile): each of a group's n token passes takes one n-th of the rows. A block row
-// is one (bf16) or two (f32) 64-byte lines, rows V elements apart: short pieces the hardware
-// prefetchers follow poorly. Spread over the passes, the prefetches keep a few lines in flight all
-// the time; issued as a burst in rec_kv they stalled on full miss buffers (2026-11-30, dev host:
-// bf16-state decode B = 8 1.18-1.23 -> 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 and the spread
-// over a spec group's passes: ffi/README.md, "Recurrent decode / spec"). Into L2 (locality 2,
-// prefetcht1), not L1: on Zen 4 an L1 prefetch holds one of the few L1 miss buffers until its
-// line arrives and the pass reached ~20 GB/s per thread; into L2 ~32 (decode B = 8 f32 kernel,
-// two threads, 0.95 -> 0.6-0.76 ms; Zen 3 measured the same both ways). pf_rest: rec_kv took the
-// first half of each row's lines (kPf there), this pass takes the rest, of every row pair.
+// pf (may be null): the next column block to be read from memory (a pool block, row stride pf_ld:
+// dst's d_ld, or kRecBlock for a head-ahead share, recurrent_impl); this pass prefetches the row
+// pairs k / 2 = pf_phase (mod pf_every) of it beside the same rows of this one, so that reads are
+// in flight while the group's passes compute (nothing else reads memory meanwhile): each of a
+// group's n token passes takes one n-th of the rows. A block row is one (bf16) or two (f32) 64-byte
+// lines, rows V elements apart: short pieces the hardware prefetchers follow poorly. Spread over
+// the passes, the prefetches keep a few lines in flight all the time; issued as a burst in rec_kv
+// they stalled on full miss buffers (2026-11-30, dev host: bf16-state decode B = 8 1.18-1.23 ->
+// 0.94-0.98 ms, B = 32 4.6 -> 3.5-3.9 ms; f32 and the spread over a spec group's passes:
+// ffi/README.md, "Recurrent decode / spec"). Into L2 (locality 2, prefetcht1), not L1: on Zen 4 an
+// L1 prefetch holds one of the few L1 miss buffers until its line arrives and the pass reached ~20
+// GB/s per thread; into L2 ~32 (decode B = 8 f32 kernel, two threads, 0.95 -> 0.6-0.76 ms; Zen 3
+// measured the same both ways). pf_rest: rec_kv took the first half of each row's lines (kPf
+// there), this pass takes the rest, of every row pair. pf2 (may be null): a second block (row
+// stride d_ld) prefetched beside pf, whole rows, with the same phases.
 template <int NV, bool kFull, bool kNext, bool kLoc, bool kNT, bool kPair, int LD, class Src, class ST>
 GDN_REC_HOT void rec_pass(const Src* s, int64_t s_ld, ST* dst, int64_t d_ld, float* loc, int64_t K, float alpha,
                           const VF* d, const float* kh, const float* qh, const float* khn, int ncol, VF* o,
