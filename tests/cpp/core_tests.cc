@@ -1742,6 +1742,96 @@ void test_work_blocks() {
   check_true("work blocks: 300 random cuts, each range once", bad == 0, std::to_string(bad.load()) + " bad");
 }
 
+// The recurrent kernel's prefetch targets (kernels/rec_prefetch.h) as recurrent_impl walks one
+// item's column blocks (narrow, 32 columns; a decode row's pass prefetches row pairs k, k + 1 of
+// its target, 32 elements each, in full blocks only). Head-ahead: the shares of the next head lie
+// in it, never overlap, and cover every row pair of its full blocks; a head no item fetched also
+// prefetches each of its own later blocks; the block-by-block scheme: the next block, then the
+// next head's first.
+namespace rec_prefetch_test {
+#include "kernels/rec_prefetch.h"
+}
+
+void test_rec_prefetch() {
+  using rec_prefetch_test::rec_prefetch_targets;
+  constexpr int64_t kBlock = 32;
+  int64_t bad = 0, cases = 0;
+  std::string first;
+  auto fail = [&](const std::string& why) {
+    if (bad++ == 0) first = why;
+  };
+  for (int64_t K : {1, 2, 7, 16, 128, 129, 256}) {
+    for (int64_t V : {16, 32, 48, 64, 128, 160, 256}) {
+      for (int mode = 0; mode < 4; ++mode) {
+        const bool ahead = mode < 3, next_head = mode != 2, fetched = mode == 1;
+        const int64_t KV = K * V, nfull = V / kBlock, pairs = K / 2;
+        std::vector<int> next_hits(size_t(KV), 0), own_hits(size_t(KV), 0);
+        std::string tag = "K=" + std::to_string(K) + " V=" + std::to_string(V) + " mode " + std::to_string(mode);
+        int64_t old_pf_blocks = 0;
+        for (int64_t col = 0, w = 0; col < V; col += w) {
+          w = std::min(kBlock, V - col);
+          const auto t = rec_prefetch_targets(ahead, K, V, kBlock, col, w, kBlock, V, next_head, fetched);
+          ++cases;
+          if (w < kBlock) {  // tail pieces prefetch nothing (rec_block); head-ahead gives them no share
+            if (ahead && t.pf >= 0) fail(tag + ": a tail piece given a share");
+            continue;
+          }
+          if (!ahead) {               // the block-by-block scheme
+            const int64_t want = col + kBlock < V ? col + kBlock : (next_head ? KV : -1);
+            if (t.pf != want || t.pf_ld != V || t.pf2 != -1) fail(tag + " block-by-block col " + std::to_string(col));
+            old_pf_blocks += t.pf >= 0;
+            continue;
+          }
+          if (next_head != (t.pf >= 0)) fail(tag + ": a share without a next head, or none with one");
+          if (t.pf >= 0 && t.pf_ld != kBlock) fail(tag + ": share row stride " + std::to_string(t.pf_ld));
+          const int64_t want2 = !fetched && col + kBlock < V ? col + kBlock : -1;
+          if (t.pf2 != want2) fail(tag + ": own next block at " + std::to_string(t.pf2));
+          for (int64_t k = 0; k < 2 * pairs; ++k) {
+            for (int64_t c = 0; c < kBlock; ++c) {
+              if (t.pf >= 0) {
+                const int64_t e = t.pf + k * t.pf_ld + c;
+                if (e < KV || e >= 2 * KV) fail(tag + ": share element " + std::to_string(e) + " outside the next head");
+                else next_hits[size_t(e - KV)]++;
+              }
+              if (t.pf2 >= 0 && t.pf2 + k * V + c < KV) own_hits[size_t(t.pf2 + k * V + c)]++;
+            }
+          }
+        }
+        if (!ahead) {
+          if (old_pf_blocks != (nfull > 1 ? nfull - 1 : 0) + (nfull > 0 && next_head ? 1 : 0))
+            fail(tag + ": block-by-block targets");
+          continue;
+        }
+        // The next head: element e is prefetched once iff it is in full block b's share
+        // [b K 32, (b + 1) K 32) and in one of the share's row pairs.
+        for (int64_t e = 0; e < KV; ++e) {
+          const int64_t b = e / (K * kBlock), r = (e % (K * kBlock)) / kBlock;
+          const int want = next_head && b < nfull && r < 2 * pairs ? 1 : 0;
+          if (next_hits[size_t(e)] != want) {
+            fail(tag + ": next head element " + std::to_string(e) + " prefetched " +
+                 std::to_string(next_hits[size_t(e)]) + " times");
+            break;
+          }
+        }
+        // This head, when no item fetched it: every column after the first block, in the row pairs
+        // (a tail target is prefetched as a full block, so its rows' pieces run on into the next
+        // row: at least once, not exactly once); when an item fetched it, nothing.
+        for (int64_t e = 0; e < KV; ++e) {
+          const int64_t r = e / V, col = e % V;
+          const bool want = !fetched && nfull > 0 && col >= kBlock && r < 2 * pairs;
+          if (fetched ? own_hits[size_t(e)] != 0 : (want && own_hits[size_t(e)] == 0)) {
+            fail(tag + ": own element " + std::to_string(e) + " prefetched " + std::to_string(own_hits[size_t(e)]) +
+                 " times");
+            break;
+          }
+        }
+      }
+    }
+  }
+  check_true("recurrent prefetch targets: " + std::to_string(cases) + " blocks, head-ahead shares tile the next head",
+             bad == 0, bad == 0 ? "" : std::to_string(bad) + " wrong, first: " + first);
+}
+
 int main() {
   std::printf("CPU features: %s\n", cpu_features().c_str());
   {
@@ -1751,6 +1841,7 @@ int main() {
   }
   test_huge_page_hint();
   test_work_blocks();
+  test_rec_prefetch();
   test_flush_denormals();
 #if GDN_TEST_AMX
   {

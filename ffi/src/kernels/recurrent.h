@@ -24,6 +24,8 @@
 // The hot loops are flattened so that every vector primitive (including the bf16 load /
 // store conversions) is inlined: GCC otherwise leaves some as calls with VF passed on the
 // stack, which made the bf16-state pass 10x slower.
+#include "kernels/rec_prefetch.h"  // what a column block prefetches (recurrent_impl)
+
 #ifndef GDN_REC_HOT
 #define GDN_REC_HOT __attribute__((flatten))
 #define GDN_REC_INLINE inline __attribute__((always_inline))
@@ -491,26 +493,12 @@ void recurrent_impl(const RecurrentArgs& p, const Parallel& par) {
         const bool wide_block = wide && c1 - col >= kRecWide;
         const int64_t bw = wide_block ? kRecWide : kRecBlock;
         w = rec_min(bw, c1 - col);
-        // Prefetch targets (ffi/README.md, Recurrent decode / spec, "Prefetch" and "Head-ahead").
-        // Head-ahead (kAhead): when the next item is this row's next head (the next head_elems of
-        // the slot), full block b prefetches the b-th K x kRecBlock share of that head in address
-        // order (pf, row stride kRecBlock), so the whole head is in L2 when its item starts; a head
-        // that no item prefetched (a range's first) also prefetches its own next block (pf2).
-        // Otherwise: the next block of this head, else the next head's first block.
-        const ST* pf = nullptr;
-        const ST* pf2 = nullptr;
-        int64_t pf_ld = V;
-        if (kAhead && nsplit == 1 && nq == 1) {
-          if (next_head && w == kRecBlock) {
-            pf = start + head_elems + (col / kRecBlock) * K * kRecBlock;
-            pf_ld = kRecBlock;
-          }
-          if (!head_fetched && col + bw < c1) pf2 = start + col + bw;
-        } else if (col + bw < c1) {
-          pf = start + col + bw;
-        } else if (next_head) {
-          pf = start + head_elems;
-        }
+        // Prefetch targets (rec_prefetch.h): head-ahead for a bf16 decode row, else the next block.
+        const RecPrefetch tg = rec_prefetch_targets(kAhead && nsplit == 1 && nq == 1, K, V, kRecBlock, col, w, bw,
+                                                    c1, next_head, head_fetched);
+        const ST* pf = tg.pf < 0 ? nullptr : start + tg.pf;
+        const ST* pf2 = tg.pf2 < 0 ? nullptr : start + tg.pf2;
+        const int64_t pf_ld = tg.pf_ld;
         for (int64_t t0 = 0; t0 < nq; t0 += kRecTokGroup) {
           const int n = int(rec_min(kRecTokGroup, nq - t0));
           if (!one_group) prepare(t0, n);
