@@ -1,8 +1,9 @@
 // What one column block of the recurrent kernel prefetches beside its passes (kernels/recurrent.h,
 // recurrent_impl; ffi/README.md, Recurrent decode / spec, "Prefetch" and "Head-ahead"). Offsets
 // are in elements from the start of the item's head in its start slot; a row's HV heads follow
-// one another in the slot, so the next head starts at K * V. No ISA dependency: tests/cpp checks
-// that the head-ahead shares tile the next head and that every target lies in the slot.
+// one another in the slot, so the next head starts at K * V. No ISA dependency: tests/cpp walks an
+// item's blocks as recurrent_impl does and checks the targets (the head-ahead shares tile the next
+// head's row pairs once).
 // Included inside a namespace, as the kernels are (recurrent.h: the ISA's; the core tests: their
 // own), so that a kernel_ab build's two revisions never share one definition; needs <cstdint>.
 #pragma once
