@@ -11,8 +11,8 @@ Shapes: Qwen3-Next-80B's GDN layer (hidden 2048, H = 16, HV = 32, K = V = 128, W
 bf16 activations, f32 state): "core" rows time the attention core (conv + gating +
 recurrence, ShardedGDNAttention), "layer" rows the whole layer (in_proj -> core -> gated norm
 -> out_proj, ShardedGatedDeltaNetLayer), its weights in [out, in] layout or, with --weights
-packed, packed as serving loads them (GDNLayerParams.packed; each shard packs its own part). Cases: decode of B requests, and a prefill of one
-512-token request.
+packed, packed as serving loads them (GDNLayerParams.packed; each shard packs its own part).
+Cases: decode of B requests, and a prefill of one 512-token request.
 
 Columns, per case (medians over interleaved rounds, milliseconds):
 
