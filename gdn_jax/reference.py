@@ -377,6 +377,17 @@ def causal_conv1d_update(x, *, weight, bias, conv_state, state_indices, activati
 # ---------------------------------------------------------------------------------------
 
 
+def _unit_lower_solve(A, rhs):
+    """x with (I + A) x = rhs; A [HV, C, C] strictly lower, rhs [HV, C, D]: forward substitution,
+    row by row. Not ``jax.scipy.linalg.solve_triangular``: jaxlib's CPU trsm waits, on a thread of
+    XLA's pool, for tasks it queued to that same pool, so programs of several CPU devices running
+    at once (a mesh of more devices than cores) all wait there for good."""
+    def row(i, x):
+        xi = rhs[:, i] - jnp.einsum("hj,hjd->hd", A[:, i], x, precision=_HI)  # rows >= i of x still 0
+        return x.at[:, i].set(xi)
+    return lax.fori_loop(0, A.shape[-1], row, jnp.zeros_like(rhs))
+
+
 def _chunk_body(S0, q_hat, k_hat, v, g, beta):
     """One chunk of C tokens for all value heads, f32 WY form.
 
@@ -406,11 +417,9 @@ def _chunk_body(S0, q_hat, k_hat, v, g, beta):
 
     KK = jnp.einsum("hik,hjk->hij", kh, kh, precision=_HI)
     A = jnp.where(strict[None], bh[:, :, None] * KK * Gamma, 0.0)
-    eye = jnp.eye(C, dtype=_F32)
     rhs = jnp.concatenate([bh[:, :, None] * vh,
                            (bh * jnp.exp(G))[:, :, None] * kh], axis=-1)
-    sol = jax.scipy.linalg.solve_triangular(eye[None] + A, rhs, lower=True,
-                                            unit_diagonal=True)
+    sol = _unit_lower_solve(A, rhs)
     Vd = vh.shape[-1]
     U, Wm = sol[..., :Vd], sol[..., Vd:]
     V_new = U - jnp.einsum("hck,hkv->hcv", Wm, S0, precision=_HI)

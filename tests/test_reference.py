@@ -399,6 +399,27 @@ def test_prefill(cfg, shape):
     assert_untouched(pool, j["pool"], PRE_UNTOUCHED)
 
 
+@pytest.mark.parametrize("kind", ["chunk_like", "parallel_keys"])
+def test_unit_lower_solve_matches_f64(kind):
+    """The chunk's (I + A) x = rhs (forward substitution, not jaxlib's trsm) against float64:
+    A as the chunk builds it (beta K K^T * Gamma below the diagonal) and the worst case of
+    that form (equal unit keys, beta = 1, no decay: every entry below the diagonal is 1)."""
+    rng = np.random.default_rng(3)
+    HV, C, D = 3, 64, 40
+    if kind == "chunk_like":
+        kk = rng.standard_normal((HV, C, 16))
+        kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+        G = np.cumsum(-rng.uniform(0, 0.2, (HV, C)), axis=-1)
+        A = rng.uniform(0, 1, (HV, C, 1)) * (kk @ np.swapaxes(kk, 1, 2)) * np.exp(G[:, :, None] - G[:, None, :])
+    else:
+        A = np.ones((HV, C, C))
+    A = np.tril(A, -1).astype(np.float32)
+    rhs = rng.standard_normal((HV, C, D)).astype(np.float32)
+    x = np.asarray(R._unit_lower_solve(jnp.asarray(A), jnp.asarray(rhs)), np.float64)
+    x64 = np.linalg.solve(np.eye(C) + A.astype(np.float64), rhs.astype(np.float64))
+    report(f"unit lower solve [{kind}]", rel_rmse(x, x64), 1e-6)
+
+
 def test_prefill_l2norm_off():
     d, j, o, pool, o_ref, pool_ref = run_prefill("f32", "gqa", l2norm=False)
     report("prefill o [l2norm off]", rel_rmse(o, o_ref), BUDGET["f32"]["pre_o"])
