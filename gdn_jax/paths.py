@@ -179,14 +179,19 @@ def _run_native(config: GDNConfig, kind: str, x, b, a, params: GDNParams, cache:
     return out, GDNCache(conv_state=conv, ssm_state=ssm), status
 
 
-def _step(config: GDNConfig, impl: str, kind: str, mixed_qkv, b, a, params, cache, batch):
-    """Traceable step: (out [T, HV, V], cache, status int32[4]). Runs nothing on a bad batch."""
+def _step(config: GDNConfig, impl: str, kind: str, mixed_qkv, b, a, params, cache, batch, checked=None):
+    """Traceable step: (out [T, HV, V], cache, status int32[4]). Runs nothing on a bad batch.
+    ``checked`` (int32[4], optional): the verdict of a check of this batch already made, possibly
+    agreed with other shards (nonzero: nothing runs, this status is returned); the reference path
+    then does not check again."""
     T = _check_inputs(config, mixed_qkv, b, a, params, cache, batch)
     if ops.resolve_impl(impl) == "native":
         # The step call runs batch_status's own check (check_step_batch) before anything else:
         # a separate batch_status call would only repeat it (3-15% of a decode step's CPU).
-        return _run_native(config, kind, mixed_qkv, b, a, params, cache, batch, jnp.zeros((4,), jnp.int32))
-    status = batch_status(batch, num_tokens=T, num_slots=cache.num_slots, kinds=STEP_KINDS[kind], impl=impl)
+        status_in = jnp.zeros((4,), jnp.int32) if checked is None else checked
+        return _run_native(config, kind, mixed_qkv, b, a, params, cache, batch, status_in)
+    status = checked if checked is not None else batch_status(batch, num_tokens=T, num_slots=cache.num_slots,
+                                                              kinds=STEP_KINDS[kind], impl=impl)
     # A refused batch runs as an all-padding batch: every op then reads and writes nothing and
     # outputs zeros. Data masking instead of a lax.cond keeps the program straight-line.
     out, new_cache, op_status = _run_ops(config, impl, kind, mixed_qkv, b, a, params, cache,

@@ -421,7 +421,8 @@ def _agreed_step(config: GDNConfig, impl: str, kind: str, dp: int, x, b, a, para
     """The unsharded step on one shard under a batch check every shard agrees on:
     ``(out, cache, status int32[5])``. dp = 1: the step's own check is already global (every
     shard holds the whole batch), so no collective. dp > 1: check locally and agree over
-    "data" *before any op runs* (a batch refused anywhere runs as all-padding everywhere).
+    "data" *before any op runs*; the agreed verdict goes in as the step's checked status (a
+    batch refused anywhere runs nothing anywhere).
     The kernels' own statuses need no second agreement: they pass every batch the check
     passes (tests/test_fuzz.py holds the steps to that) and the all-padding batch; a shard
     whose kernels disagreed anyway reports its own status rather than none."""
@@ -431,7 +432,7 @@ def _agreed_step(config: GDNConfig, impl: str, kind: str, dp: int, x, b, a, para
     st = batch_status(batch, num_tokens=x.shape[0], num_slots=cache.num_slots, kinds=paths.STEP_KINDS[kind],
                       impl=impl)
     st = _global_status(st, dp)
-    out, cache, op_st = paths._step(config, impl, kind, x, b, a, params, cache, paths._neutralise(batch, st[0] == 0))
+    out, cache, op_st = paths._step(config, impl, kind, x, b, a, params, cache, batch, checked=st[:4])
     return out, cache, jnp.where(st[0] != 0, st, _shard_status(op_st, dp))
 
 

@@ -124,6 +124,13 @@ def test_core_mesh_data2_tp2_matches_unsharded():
     _run("mesh", "--meshes", "2x2", "--reference-on", "none")
 
 
+def test_core_mesh_data2_tp2_reference_impl_matches_unsharded():
+    """impl="reference" on four CPU devices (more than this host's cores): the refused steps
+    agree over "data" through the reference path's checked status, and the reference's chunk
+    solve no longer waits in jaxlib's trsm, which hung every device's program at once."""
+    _run("mesh", "--meshes", "2x2", "--impl", "reference", "--reference-on", "none")
+
+
 @needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["SD", "DS"])
