@@ -182,8 +182,8 @@ def _run_native(config: GDNConfig, kind: str, x, b, a, params: GDNParams, cache:
 def _step(config: GDNConfig, impl: str, kind: str, mixed_qkv, b, a, params, cache, batch, checked=None):
     """Traceable step: (out [T, HV, V], cache, status int32[4]). Runs nothing on a bad batch.
     ``checked`` (int32[4], optional): the verdict of a check of this batch already made, possibly
-    agreed with other shards (nonzero: nothing runs, this status is returned); the reference path
-    then does not check again."""
+    agreed with other shards (nonzero: nothing runs, this status is returned). The native step
+    still makes its own check inside its one call; the reference path does not check again."""
     T = _check_inputs(config, mixed_qkv, b, a, params, cache, batch)
     if ops.resolve_impl(impl) == "native":
         # The step call runs batch_status's own check (check_step_batch) before anything else:
