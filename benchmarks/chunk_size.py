@@ -32,7 +32,7 @@ from gdn_jax import _gdn_ffi, ops  # noqa: E402
 
 import roofline  # noqa: E402
 import run  # noqa: E402
-from layer_breakdown import add_malloc_arg, apply_malloc  # noqa: E402
+from host_malloc import add_malloc_arg, apply_malloc  # noqa: E402
 
 SIZES = (64, 32)
 

@@ -9,6 +9,8 @@ tuned heap grows to the blocks of consecutive calls first); then the median over
 per-round ratio tuned / system.
 
     PYTHONPATH=. python benchmarks/host_malloc.py [--rounds 3] [--seconds 3] [--cases layer_prefill_8192,...]
+
+The other benchmarks' `--malloc` flag (`add_malloc_arg`, `apply_malloc`) lives here too.
 """
 from __future__ import annotations
 
@@ -27,6 +29,22 @@ ROOT = os.path.dirname(HERE)
 CASES = ("layer_prefill_8192", "step_prefill_8192", "step_prefill_2048", "conv_fwd_2048", "gating_8192",
          "decode_b8", "spec_8x4")
 WARMUP = 6  # calls before timing: the tuned heap settles within a few calls of the same shapes
+
+
+def add_malloc_arg(ap):
+    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+                    help="tuned (default): glibc as gdn_jax.tune_host_malloc sets it (as run.py); system: its defaults")
+
+
+def apply_malloc(mode: str) -> str:
+    """Tunes glibc's allocator for mode "tuned" (a server's setting: README.md, Deployment); says
+    in words what this process runs with. Under glibc's defaults a block above 32 MiB (a prefill
+    program's temporaries, a large output) is mapped afresh and faulted in on every call."""
+    import gdn_jax
+
+    if mode == "tuned" and gdn_jax.tune_host_malloc():
+        return "malloc tuned (gdn_jax.tune_host_malloc)"
+    return "malloc: glibc's defaults" + (" (tuning not available here)" if mode == "tuned" else "")
 
 
 def make_call(name):

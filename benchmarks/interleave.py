@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import jax.numpy as jnp  # noqa: E402
 
 import run as R  # noqa: E402
-from layer_breakdown import add_malloc_arg, apply_malloc  # noqa: E402
+from host_malloc import add_malloc_arg, apply_malloc  # noqa: E402
 from gdn_jax import Request, _ffi  # noqa: E402
 
 CONDITIONS = ("idle", "b2b", "matmul", "matmul+sleep5", "sleep50", "read64", "fma50", "spin50", "program")

@@ -43,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as run.py does
 import roofline  # noqa: E402
+from host_malloc import add_malloc_arg, apply_malloc  # noqa: E402
 
 import gdn_jax
 from gdn_jax import GDNCache, GDNConfig, Request, build_batch
@@ -70,20 +71,6 @@ def median_ms(fn, *, warmup=2, min_iters=5, target_s=2.0):
         if len(times) >= 200:
             break
     return 1e3 * statistics.median(times)
-
-
-def add_malloc_arg(ap):
-    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
-                    help="tuned (default): glibc as gdn_jax.tune_host_malloc sets it (as run.py); system: its defaults")
-
-
-def apply_malloc(mode: str) -> str:
-    """Tunes glibc's allocator for mode "tuned" (a server's setting: README.md, Deployment); says
-    in words what this process runs with. Under glibc's defaults a block above 32 MiB (a prefill
-    program's temporaries, a large output) is mapped afresh and faulted in on every call."""
-    if mode == "tuned" and gdn_jax.tune_host_malloc():
-        return "malloc tuned (gdn_jax.tune_host_malloc)"
-    return "malloc: glibc's defaults" + (" (tuning not available here)" if mode == "tuned" else "")
 
 
 def case_batch(kind: str, n: int, num_slots: int, first_slot: int = 0):

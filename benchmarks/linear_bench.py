@@ -33,7 +33,8 @@ import numpy as np
 import gdn_jax
 import roofline  # benchmarks/ is the script's directory
 from gdn_jax.ops import linear, pack_linear_weight
-from layer_breakdown import add_malloc_arg, apply_malloc, median_ms
+from host_malloc import add_malloc_arg, apply_malloc
+from layer_breakdown import median_ms
 
 LAYOUTS = ("packed", "plain", "xla")
 

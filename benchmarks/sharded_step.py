@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 from gdn_jax import GDNAttention, GDNCache, GDNConfig, Request, build_batch, selected_isa  # noqa: E402
 from gdn_jax import sharding as sh  # noqa: E402
 from gdn_jax.layer import GatedDeltaNetLayer, GDNLayerConfig, GDNLayerParams  # noqa: E402
-from layer_breakdown import add_malloc_arg, apply_malloc  # noqa: E402
+from host_malloc import add_malloc_arg, apply_malloc  # noqa: E402
 
 BF16 = jnp.bfloat16
 
