@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
+from .batch import ROW_PAD
 from .config import GDNCache, GDNConfig, GDNParams, _check_array
 from .ops import PackedLinearWeight, linear, merged_linear, pack_linear_weight, packed_shape
 from .ops import gated_rms_norm as ops_gated_rms_norm
@@ -292,15 +293,19 @@ def layer_step(config: GDNLayerConfig, impl: str, kind: str, hidden, params: GDN
     o, cache, status = _step(config.core, impl, core_kind, mixed_qkv, b, a, params.core, cache, batch)
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps, impl)
     out = out_projection(params, y.reshape(T, config.Z), impl)
-    return _zero_padding(out, batch.query_start_loc, status), cache, status
+    return _zero_padding(out, batch, status), cache, status
 
 
-def _zero_padding(out, query_start_loc, status):
-    """out [T, hidden] with zero rows for bucket padding tokens and for a refused batch: o is zero
-    there, but 0 * silu(z) is NaN where the padding's hidden values are not finite. On out (each
-    row its own sums, [T, hidden]: the smallest array after the core), not on the norm's
-    [T, HV, V], where it kept XLA from fusing the reference norm (benchmarks/LAYER_NOTES.md)."""
-    real = (jnp.arange(out.shape[0]) < query_start_loc[-1]) & (status[0] == 0)
+def _zero_padding(out, batch, status):
+    """out [T, hidden] with zero rows for the tokens no real row owns (past
+    ``query_start_loc[S]``, or owned by a padding row) and for a refused batch: o is zero there,
+    but 0 * silu(z) is NaN where those tokens' hidden values are not finite. On out (each row its
+    own sums, [T, hidden]: the smallest array after the core), not on the norm's [T, HV, V],
+    where it kept XLA from fusing the reference norm (benchmarks/LAYER_NOTES.md)."""
+    qsl = batch.query_start_loc
+    t = jnp.arange(out.shape[0], dtype=qsl.dtype)
+    row = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), batch.row_kind.shape[0] - 1)
+    real = (t < qsl[-1]) & (batch.row_kind[row] != ROW_PAD) & (status[0] == 0)
     return jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
 
 

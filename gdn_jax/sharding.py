@@ -749,7 +749,7 @@ def _layer_shard(config, impl: str, kind: str, dp: int, scatter: bool, hidden, p
     o, cache, status = _agreed_step(config.core, impl, LAYER_STEPS[kind], dp, mixed_qkv, b, a, params.core, cache,
                                     batch)
     y = gated_rms_norm(o, z, params.norm_weight, config.rms_norm_eps, impl).reshape(T, config.Z)
-    part = _zero_padding(out_projection(params, y, impl, jnp.float32), batch.query_start_loc, status)
+    part = _zero_padding(out_projection(params, y, impl, jnp.float32), batch, status)
     if scatter:
         out = jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
     else:

@@ -142,6 +142,29 @@ def test_padding_tokens_output_zero_whatever_their_hidden_values(impl_isa):
         assert int(status[0]) != 0 and not np.any(np.asarray(o2))
 
 
+@pytest.mark.parametrize("impl_isa", NATIVE_FIRST)
+def test_tokens_of_a_padding_row_output_zero(impl_isa):
+    """A padding row may own tokens (hand-built metadata; docs/reliability.md): they output zero
+    whatever their hidden values, and the real row after them outputs what it does alone."""
+    with impl_context(impl_isa) as impl:
+        layer, params, cache, hb = _one_prefill(impl, 6, 4)
+        h = np.random.default_rng(6).standard_normal((8, HIDDEN)).astype(np.float32)
+        alone, _ = layer.prefill(jnp.asarray(h), params, cache, hb)    # prefill(1, 4): tokens [0, 4)
+        # Row 0 pads and owns tokens [0, 2); row 1 is the same prefill on tokens [2, 6).
+        meta = dataclasses.replace(hb.metadata, query_start_loc=np.array([0, 2, 6], np.int32),
+                                   state_indices=np.array([[-1, -1, -1], [1, -1, -1]], np.int32),
+                                   row_kind=np.array([0, 1], np.int32), has_initial_state=np.array([False, False]),
+                                   num_tokens=np.array(6, np.int32))
+        h2 = np.full((8, HIDDEN), np.nan, np.float32)
+        h2[1] = np.inf
+        h2[2:6] = h[:4]
+        out, _, status = layer.prefill_with_status(jnp.asarray(h2), params, GDNCache.create(make_cfg().core, 8), meta)
+        out = np.asarray(out)
+        assert int(status[0]) == 0
+        assert not np.any(out[:2]) and not np.any(out[6:]), out[:2]
+        np.testing.assert_allclose(out[2:6], np.asarray(alone)[:4], rtol=1e-6, atol=1e-6)
+
+
 def test_packed_params(tmp_path):
     cfg = make_cfg(jnp.bfloat16)
     params = GDNLayerParams.random(cfg, jax.random.key(8))
