@@ -272,7 +272,8 @@ class Request:
       num_tokens: tokens of this request in the step (decode: 1; spec: 1 + drafts).
       slots: the request's slots: ``(slot,)`` for prefill/decode, the num_spec + 1 slots of
         its spec block-table row for spec (column 0 = conv slot and the accepted-state
-        slot). An int is taken as ``(slot,)``.
+        slot; the columns from max(num_tokens, num_accepted) on are not used this step and
+        may hold -1). An int is taken as ``(slot,)``.
       has_initial_state: prefill only: continue from the slot (a later chunk of a chunked
         prefill, or a prefix-cache hit) instead of starting from zeros.
       num_accepted: spec only: tokens of the previous step accepted, in [1, num_spec + 1]
@@ -380,35 +381,11 @@ def _pick_bucket(what: str, need: int, buckets) -> int:
 _ORDER = {"decode": 0, "spec": 1, "prefill": 2}
 
 
-def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 0,
-                token_bucket, row_bucket, reorder: bool = True) -> HostBatch:
-    """Validate requests and lay them out as one padded step (host side, NumPy).
-
-    Args:
-      requests: the step's requests (:class:`Request` or any object with the same fields).
-      num_slots: N, slots in the cache pools.
-      num_spec: draft tokens per spec step of the config (0 = spec decoding off).
-      token_bucket, row_bucket: T and S, an int or a sequence of sizes (the smallest that
-        fits is used; each distinct (T, S) is one compiled program).
-      reorder: put decode rows first, then spec rows, then prefill rows (vLLM's order;
-        stable within a kind). False keeps the caller's order.
-    Returns:
-      :class:`HostBatch`.
-    Raises:
-      ValueError naming the request (index, id) and the bad value: unknown kind, a
-      row without tokens, a decode row with other than 1 token, a spec row when num_spec is
-      0 or with more than num_spec + 1 tokens, a wrong number of slots, a slot outside
-      [0, N), a slot named twice in the step, num_accepted outside [1, num_spec + 1] (or not
-      1 on a non-spec row), has_initial_state=False on a decode/spec row, or a step larger
-      than the bucket.
-    """
-    N = int(num_slots)
-    if N <= 0:
-        raise ValueError(f"num_slots must be positive, got {num_slots!r}")
-    if not _is_int(num_spec) or num_spec < 0:
-        raise ValueError(f"num_spec must be an int >= 0, got {num_spec!r}")
+def _validated_slots(reqs: Sequence[Request], N: int, num_spec: int, bound: Optional[str] = None) -> list:
+    """Each request checked (build_batch's rules, errors naming it by its index in ``reqs``):
+    its slots as a tuple of ints. ``bound``: how an error writes N."""
+    bound = str(N) if bound is None else bound
     C = num_spec + 1
-    reqs = tuple(requests)
     seen: dict[int, int] = {}
     slot_rows = []
     for i, rq in enumerate(reqs):
@@ -423,6 +400,7 @@ def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 
         slots = (slots,) if _is_int(slots) else tuple(slots)
         if not all(_is_int(s) for s in slots):
             raise ValueError(f"{nm}: slots must be ints, got {slots!r}")
+        slots = tuple(int(s) for s in slots)
         acc = rq.num_accepted
         if not _is_int(acc):
             raise ValueError(f"{nm}: num_accepted must be an int, got {acc!r}")
@@ -452,10 +430,15 @@ def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 
                 raise ValueError(f"{nm}: a {kind} row names exactly one slot, got {len(slots)}: {slots!r}")
         used_cols = max(n, acc) if kind == "spec" else 1
         for c, s in enumerate(slots):
+            if c >= used_cols:  # a spec row's column it does not use this step: never read or written
+                if s != PAD_SLOT_ID and not 0 <= s < N:
+                    raise ValueError(f"{nm}: slot {s} (column {c}, unused by this row's {n} tokens and "
+                                     f"num_accepted {acc}) must be {PAD_SLOT_ID} or in [0, {bound})")
+                continue
             if not 0 <= s < N:
                 where = f"slot {s}" if len(slots) == 1 else f"slot {s} (column {c})"
-                raise ValueError(f"{nm}: {where} is outside [0, {N})")
-            if c < used_cols and s in slots[:c]:
+                raise ValueError(f"{nm}: {where} is outside [0, {bound})")
+            if s in slots[:c]:
                 raise ValueError(f"{nm}: slot {s} is named by columns {slots.index(s)} and {c}; each token's "
                                  f"state needs a slot of its own (a slot may be named once per step)")
             if s in seen and seen[s] != i:
@@ -464,6 +447,39 @@ def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 
                                  f"once per step")
             seen[s] = i
         slot_rows.append(slots)
+    return slot_rows
+
+
+def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 0,
+                token_bucket, row_bucket, reorder: bool = True) -> HostBatch:
+    """Validate requests and lay them out as one padded step (host side, NumPy).
+
+    Args:
+      requests: the step's requests (:class:`Request` or any object with the same fields).
+      num_slots: N, slots in the cache pools.
+      num_spec: draft tokens per spec step of the config (0 = spec decoding off).
+      token_bucket, row_bucket: T and S, an int or a sequence of sizes (the smallest that
+        fits is used; each distinct (T, S) is one compiled program).
+      reorder: put decode rows first, then spec rows, then prefill rows (vLLM's order;
+        stable within a kind). False keeps the caller's order.
+    Returns:
+      :class:`HostBatch`.
+    Raises:
+      ValueError naming the request (index, id) and the bad value: unknown kind, a
+      row without tokens, a decode row with other than 1 token, a spec row when num_spec is
+      0 or with more than num_spec + 1 tokens, a wrong number of slots, a slot outside
+      [0, N) (a spec row's unused columns may also hold -1), a slot named twice in the step
+      (unused columns are not counted: nothing reads or writes them), num_accepted outside
+      [1, num_spec + 1] (or not 1 on a non-spec row), has_initial_state=False on a
+      decode/spec row, or a step larger than the bucket.
+    """
+    N = int(num_slots)
+    if N <= 0:
+        raise ValueError(f"num_slots must be positive, got {num_slots!r}")
+    if not _is_int(num_spec) or num_spec < 0:
+        raise ValueError(f"num_spec must be an int >= 0, got {num_spec!r}")
+    reqs = tuple(requests)
+    slot_rows = _validated_slots(reqs, N, num_spec)
     order = sorted(range(len(reqs)), key=(lambda i: _ORDER[reqs[i].kind]) if reorder else (lambda i: 0))
     total = sum(int(r.num_tokens) for r in reqs)
     T = _pick_bucket("tokens", total, token_bucket)

@@ -50,7 +50,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _checks, paths
-from .batch import PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, batch_status, build_batch, status_message
+from .batch import (PAD_SLOT_ID, ROW_PAD, ROW_SPEC, BatchMetadata, _validated_slots, batch_status, build_batch,
+                    status_message)
 from .checkpoint import load_layer_params
 from .config import GDNCache, GDNConfig, GDNParams
 from .layer import (LAYER_STEPS, PACKED_PROJECTIONS, GDNLayerConfig, GDNLayerParams, _zero_padding, gated_rms_norm,
@@ -320,25 +321,26 @@ def build_sharded_batch(requests, *, num_slots: int, num_data: int, num_spec: in
     slot ``g % num_slots``). Every shard gets the smallest bucket that fits the largest shard.
 
     Args: as :func:`gdn_jax.build_batch`, with ``num_slots`` = N per data shard and
-      ``num_data`` = dp. Raises ValueError naming the request for a slot outside
-      ``[0, dp*N)`` or a request whose slots span two data shards, and everything
-      :func:`gdn_jax.build_batch` refuses.
+      ``num_data`` = dp. Raises ValueError naming the request (its index in ``requests``)
+      and the global slot for everything :func:`gdn_jax.build_batch` refuses (a slot outside
+      ``[0, dp*N)``, one named twice, ...) and for a request whose slots span two data
+      shards.
     """
     N, dp = _positive("num_slots", num_slots), _positive("num_data", num_data)
+    requests = tuple(requests)
+    # build_batch's rules on the global slots first, so that an error names the caller's
+    # request and slot (not a shard's); the shards' own builds below then only lay them out.
+    slot_rows = _validated_slots(requests, dp * N, num_spec, bound=f"dp*N = {dp * N}")
     groups = [[] for _ in range(dp)]
     placement = []
-    for i, rq in enumerate(requests):
-        slots = (rq.slots,) if isinstance(rq.slots, (int, np.integer)) else tuple(rq.slots)
-        owners = {int(s) // N for s in slots}
-        bad = [int(s) for s in slots if not 0 <= int(s) < dp * N]
-        if bad:
-            raise ValueError(f"request {i} (id={rq.id!r}): slot {bad[0]} is outside [0, dp*N = {dp * N})")
+    for i, (rq, slots) in enumerate(zip(requests, slot_rows)):
+        owners = {s // N for s in slots if s != PAD_SLOT_ID}  # -1: a spec row's unused column
         if len(owners) != 1:
             raise ValueError(f"request {i} (id={rq.id!r}): slots {slots} span data shards {sorted(owners)}; a "
                              f"request's slots must lie in one shard's range [d*N, (d+1)*N), N = {N}")
         d = owners.pop()
         placement.append((d, len(groups[d])))
-        groups[d].append(dataclasses.replace(rq, slots=tuple(int(s) - d * N for s in slots)))
+        groups[d].append(dataclasses.replace(rq, slots=tuple(s if s == PAD_SLOT_ID else s - d * N for s in slots)))
     # One bucket for all shards: the one the fullest shard needs.
     need_t = max(sum(int(r.num_tokens) for r in g) for g in groups)
     need_s = max(len(g) for g in groups)

@@ -102,10 +102,13 @@ BAD = [
     ([Request.spec((1, 2, 3, 4), 2, num_accepted=0)], "num_accepted must be in \\[1, num_spec \\+ 1 = 4\\], got 0"),
     ([Request.spec((1, 2, 3, 4), 2, num_accepted=5)], "num_accepted must be in \\[1, num_spec \\+ 1 = 4\\], got 5"),
     ([Request.spec((1, 2, 3), 2)], "a spec row names num_spec \\+ 1 = 4 slots \\(its block-table row\\), got 3"),
-    ([Request.spec((1, 2, 3, 99), 2)], f"slot 99 \\(column 3\\) is outside \\[0, {N}\\)"),
+    ([Request.spec((1, 2, 3, 99), 4)], f"slot 99 \\(column 3\\) is outside \\[0, {N}\\)"),
+    ([Request.spec((1, -1, 3, 4), 2)], f"slot -1 \\(column 1\\) is outside \\[0, {N}\\)"),
+    ([Request.spec((1, 2, 3, 99), 2)],
+     f"slot 99 \\(column 3, unused by this row's 2 tokens and num_accepted 1\\) must be -1 or in \\[0, {N}\\)"),
     ([Request.spec((1, 2, 2, 4), 3, id="d")],
      "request 0 \\(id='d', spec\\): slot 2 is named by columns 1 and 2; each token's state needs a slot"),
-    ([Request.spec((1, 2, 3, 4), 2), Request.spec((5, 6, 7, 2), 1, id="x")],
+    ([Request.spec((1, 2, 3, 4), 2), Request.spec((5, 6, 7, 2), 4, id="x")],
      "request 1 \\(id='x', spec\\): slot 2 is also named by request 0 \\(spec\\)"),
     ([Request("spec", 2, (1, 2, 3, 4), has_initial_state=False)], "has_initial_state must be True"),
     ([Request.prefill(1, 30), Request.prefill(2, 3)], "the step needs 33 tokens but the tokens bucket holds 32"),
@@ -234,6 +237,19 @@ def test_host_builder_allows_a_repeat_in_unused_spec_columns():
     assert hb.metadata.state_indices.tolist()[0] == [1, 2, 2, 4]
 
 
+def test_host_builder_takes_pad_and_other_rows_slots_in_unused_spec_columns(impl):
+    """Columns from max(q, acc) on are not used (never read or written): they may hold -1, as
+    the contract allows, or a slot another row uses, as the device check allows."""
+    hb = _build([Request.spec((1, -1, -1, -1), 1), Request.spec((2, 3, -1, -1), 1, num_accepted=2),
+                 Request.decode(5), Request.spec((6, 7, 5, 1), 2)])
+    assert hb.metadata.state_indices.tolist()[:4] == [[5, -1, -1, -1], [1, -1, -1, -1], [2, 3, -1, -1],
+                                                      [6, 7, 5, 1]]
+    assert _status(hb.metadata, impl).tolist() == [0, 0, 0, 0]
+    # A used column still may not name another row's slot.
+    with pytest.raises(ValueError, match=r"request 1 \(spec\): slot 5 is also named by request 0 \(decode\)"):
+        _build([Request.decode(5), Request.spec((6, 7, 5, 1), 3)])
+
+
 def test_device_unused_spec_columns_are_not_checked(impl):
     # Columns >= max(q, acc) are neither read nor written.
     m = _edit(_good(), state_indices=_set(((1, 3), 999)))
@@ -294,17 +310,18 @@ def test_from_vllm_non_spec():
 
 
 def test_from_vllm_mixed_spec(impl):
-    # vLLM batch of 3 rows: spec (q=4), non-spec prefill (q=3), spec (q=2); tokens interleaved.
+    # vLLM batch of 3 rows: spec (q=4), non-spec prefill (q=3), spec (q=2; its unused columns -1,
+    # PAD_SLOT_ID); tokens interleaved.
     hb = from_vllm_metadata(num_slots=N, num_spec=3, token_bucket=16, row_bucket=4,
                             spec_sequence_masks=[True, False, True],
-                            spec_query_start_loc=[0, 4, 6], spec_state_indices=[[1, 2, 3, 4], [5, 6, 7, 8]],
+                            spec_query_start_loc=[0, 4, 6], spec_state_indices=[[1, 2, 3, 4], [5, 6, -1, -1]],
                             num_accepted_tokens=[2, 1],
                             non_spec_query_start_loc=[0, 3], non_spec_state_indices=[9],
                             has_initial_state=[False])
     m = hb.metadata
     assert m.row_kind.tolist() == [ROW_SPEC, ROW_PREFILL, ROW_SPEC, ROW_PAD]
     assert m.query_start_loc.tolist() == [0, 4, 7, 9, 9]   # vLLM's token order kept
-    assert m.state_indices.tolist()[:3] == [[1, 2, 3, 4], [9, -1, -1, -1], [5, 6, 7, 8]]
+    assert m.state_indices.tolist()[:3] == [[1, 2, 3, 4], [9, -1, -1, -1], [5, 6, -1, -1]]
     assert m.num_accepted_tokens.tolist()[:3] == [2, 1, 1]
     assert _status(m, impl, T=16).tolist() == [0, 0, 0, 0]
 

@@ -236,6 +236,25 @@ def test_sharded_batch_refuses_a_request_across_shards():
         sh.build_sharded_batch([Request.decode(8)], num_slots=4, num_data=2, token_bucket=8, row_bucket=2)
 
 
+def test_sharded_batch_errors_name_the_callers_request_and_global_slot():
+    """Requests are validated on their global slots in the caller's order before they are routed,
+    so an error names what the caller passed, not a shard's local view of it."""
+    reqs = [Request.decode(0), Request.decode(1), Request.decode(5, id="A"), Request.prefill(5, 3, id="B")]
+    with pytest.raises(ValueError, match=r"request 3 \(id='B', prefill\): slot 5 is also named by request 2 "
+                                         r"\(id='A', decode\)"):
+        sh.build_sharded_batch(reqs, num_slots=4, num_data=2, token_bucket=8, row_bucket=4)
+    with pytest.raises(ValueError, match=r"request 2 \(spec\): a spec row has at most num_spec \+ 1 = 3 tokens"):
+        sh.build_sharded_batch([Request.decode(0), Request.decode(1), Request.spec((4, 5, 6), 5)], num_slots=4,
+                               num_data=2, num_spec=2, token_bucket=16, row_bucket=4)
+
+
+def test_sharded_batch_routes_a_spec_row_with_unused_pad_columns():
+    hb = sh.build_sharded_batch([Request.decode(1), Request.spec((6, -1, -1), 1)], num_slots=4, num_data=2,
+                                num_spec=2, token_bucket=8, row_bucket=2)
+    assert hb.placement == ((0, 0), (1, 0))
+    np.testing.assert_array_equal(np.asarray(hb.metadata.state_indices)[1, hb.shards[1].rows[0]], [2, -1, -1])
+
+
 def test_sharded_status_message_names_the_shard():
     assert sh.sharded_status_message("decode", np.zeros(5, np.int32)) is None
     msg = sh.sharded_status_message("decode", np.array([5, 2, 7, 1, 3], np.int32))
