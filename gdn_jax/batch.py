@@ -384,6 +384,8 @@ _ORDER = {"decode": 0, "spec": 1, "prefill": 2}
 def _validated_slots(reqs: Sequence[Request], N: int, num_spec: int, bound: Optional[str] = None) -> list:
     """Each request checked (build_batch's rules, errors naming it by its index in ``reqs``):
     its slots as a tuple of ints. ``bound``: how an error writes N."""
+    if not _is_int(num_spec) or num_spec < 0:
+        raise ValueError(f"num_spec must be an int >= 0, got {num_spec!r}")
     bound = str(N) if bound is None else bound
     C = num_spec + 1
     seen: dict[int, int] = {}
@@ -476,8 +478,6 @@ def build_batch(requests: Sequence[Request], *, num_slots: int, num_spec: int = 
     N = int(num_slots)
     if N <= 0:
         raise ValueError(f"num_slots must be positive, got {num_slots!r}")
-    if not _is_int(num_spec) or num_spec < 0:
-        raise ValueError(f"num_spec must be an int >= 0, got {num_spec!r}")
     reqs = tuple(requests)
     slot_rows = _validated_slots(reqs, N, num_spec)
     order = sorted(range(len(reqs)), key=(lambda i: _ORDER[reqs[i].kind]) if reorder else (lambda i: 0))

@@ -246,6 +246,8 @@ def test_sharded_batch_errors_name_the_callers_request_and_global_slot():
     with pytest.raises(ValueError, match=r"request 2 \(spec\): a spec row has at most num_spec \+ 1 = 3 tokens"):
         sh.build_sharded_batch([Request.decode(0), Request.decode(1), Request.spec((4, 5, 6), 5)], num_slots=4,
                                num_data=2, num_spec=2, token_bucket=16, row_bucket=4)
+    with pytest.raises(ValueError, match="num_spec must be an int >= 0, got None"):
+        sh.build_sharded_batch(reqs[:1], num_slots=4, num_data=2, num_spec=None, token_bucket=8, row_bucket=4)
 
 
 def test_sharded_batch_routes_a_spec_row_with_unused_pad_columns():
