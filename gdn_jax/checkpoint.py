@@ -64,6 +64,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.config_file}: missing (every Hugging Face checkpoint has one)") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{self.config_file}: not valid JSON ({e})") from None
+        if not isinstance(self.raw_config, dict):
+            raise CheckpointError(f"{self.config_file}: must hold a JSON object, got a {type(self.raw_config).__name__}")
         model_type = self.raw_config.get("model_type")
         if model_type not in MODEL_FAMILIES:
             raise CheckpointError(f"{self.config_file}: model_type {model_type!r} is not supported; gdn_jax loads "
@@ -83,6 +85,9 @@ class Checkpoint:
                     wm = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index (no 'weight_map': {e!r})") from None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
+                                      f"{type(wm).__name__} {str(wm)[:80]}")
             return {k: os.path.join(self.path, v) for k, v in wm.items()}
         single = os.path.join(self.path, "model.safetensors")
         if os.path.exists(single):
@@ -96,6 +101,8 @@ class Checkpoint:
                 self._files[path] = SafetensorsFile(path)
             except FileNotFoundError:
                 raise CheckpointError(f"{path}: missing (named by model.safetensors.index.json)") from None
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot be read as a safetensors file ({e.strerror or e})") from None
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
         return self._files[path]
@@ -119,6 +126,9 @@ class Checkpoint:
     def layer_types(self) -> list[str]:
         types = self.field("layer_types", required=False)
         if types is not None:
+            if not isinstance(types, list) or not all(isinstance(x, str) for x in types):
+                raise CheckpointError(f"{self.config_file}: field 'layer_types' must be a list of strings (one per "
+                                      f"layer), got {types!r}"[:300])
             return list(types)
         n = self._int_field("num_hidden_layers")
         interval = self.field("full_attention_interval", 4)
@@ -354,13 +364,18 @@ def load_layers(path, config: Optional[GDNLayerConfig] = None, layers: Optional[
     return out
 
 
+# The multimodal Qwen3.5 types nest the language model's config (transformers reads the sizes
+# only from there) and its weights under model.language_model.
+_MULTIMODAL_TEXT_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
 def save_checkpoint(path, config: GDNLayerConfig, layers: dict[int, GDNLayerParams], *,
                     num_hidden_layers: Optional[int] = None, model_type: Optional[str] = None) -> None:
     """Write GDN layers as a Hugging Face checkpoint directory (config.json + model.safetensors).
 
     The layout is that of ``config.model_type`` (Qwen3-Next: interleaved ``in_proj_qkvz`` /
-    ``in_proj_ba``; Qwen3.5: flat, under ``model.language_model`` when ``model_type`` is
-    ``"qwen3_5"``). Only the GDN layers' tensors are written (the rest of a model is not
+    ``in_proj_ba``; Qwen3.5: flat; for the multimodal ``"qwen3_5"`` and ``"qwen3_5_moe"`` under
+    ``model.language_model``, the sizes in a nested ``text_config``). Only the GDN layers' tensors are written (the rest of a model is not
     gdn_jax's); layers not in ``layers`` are marked ``full_attention``. Used by the demo to
     make a checkpoint without a network, and to export weights.
     """
@@ -380,8 +395,8 @@ def save_checkpoint(path, config: GDNLayerConfig, layers: dict[int, GDNLayerPara
             "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu", "num_hidden_layers": n_layers,
             "layer_types": ["linear_attention" if i in layers else "full_attention" for i in range(n_layers)],
             "dtype": config.act_dtype.name}
-    if model_type == "qwen3_5":
-        cfg = {"model_type": model_type, "text_config": dict(text, model_type="qwen3_5_text")}
+    if model_type in _MULTIMODAL_TEXT_TYPE:
+        cfg = {"model_type": model_type, "text_config": dict(text, model_type=_MULTIMODAL_TEXT_TYPE[model_type])}
         prefix = "model.language_model.layers.{}.linear_attn."
     else:
         cfg = dict(text, model_type=model_type)

@@ -21,7 +21,7 @@ import pytest
 from gdn_jax import GDNConfig
 from gdn_jax.checkpoint import (Checkpoint, CheckpointError, gdn_layer_indices, load_layer_config, load_layer_params,
                                 load_layers, save_checkpoint)
-from gdn_jax.layer import GDNLayerConfig, GDNLayerParams
+from gdn_jax.layer import MODEL_FAMILIES, GDNLayerConfig, GDNLayerParams
 from gdn_jax.safetensors_io import SafetensorsFile, save_file
 
 torch = pytest.importorskip("torch")
@@ -249,6 +249,34 @@ def test_errors_name_file_key_and_expectation(next_ckpt, q35_ckpt, tmp_path):
         load_layer_config(ck2)
 
 
+def test_malformed_config_and_index_raise_checkpoint_errors(next_ckpt, tmp_path):
+    """Wrongly typed JSON (a list for the config, a list for weight_map, layer_types not a list
+    of strings) and a shard that is not a file are CheckpointErrors naming the file, not
+    AttributeError / TypeError / IsADirectoryError, nor (a string layer_types) no GDN layer."""
+    _, _, path = next_ckpt
+    ck = _copy(path, tmp_path)
+    good_cfg = (ck / "config.json").read_text()
+    (ck / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="config.json: must hold a JSON object, got a list"):
+        load_layer_config(ck)
+    for types in (4, "linear_attention", ["linear_attention", 3]):
+        (ck / "config.json").write_text(json.dumps(dict(json.loads(good_cfg), layer_types=types)))
+        with pytest.raises(CheckpointError, match="config.json: field 'layer_types' must be a list of strings"):
+            gdn_layer_indices(ck)
+    (ck / "config.json").write_text(good_cfg)
+    index = ck / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    index.write_text(json.dumps(dict(idx, weight_map=list(idx["weight_map"].items()))))
+    with pytest.raises(CheckpointError, match="index.json: 'weight_map' must map tensor names to file names"):
+        load_layer_config(ck)
+    index.write_text(json.dumps(idx))
+    shard = idx["weight_map"]["model.layers.0.linear_attn.out_proj.weight"]
+    os.remove(ck / shard)
+    os.mkdir(ck / shard)
+    with pytest.raises(CheckpointError, match=f"{shard}: cannot be read as a safetensors file"):
+        load_layer_params(ck, 0)
+
+
 def test_a_given_config_must_describe_the_checkpoint(q35_ckpt):
     """H=4, K=32 stored; a config of H=8, K=16 (HV, V the same) gives every tensor the same shape,
     so it loaded as another layer (q/k split at other heads). Now a CheckpointError naming the field."""
@@ -307,6 +335,29 @@ def test_save_checkpoint_refuses_layers_it_would_hide(tmp_path):
         with pytest.raises(ValueError, match="layers must map layer indices >= 0 to GDNLayerParams"):
             save_checkpoint(tmp_path, cfg, layers)
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FAMILIES))
+def test_save_checkpoint_config_reads_in_transformers(model_type, tmp_path):
+    """transformers' AutoConfig reads our config.json's sizes for every model type we write (a
+    multimodal type keeps them in text_config only; flat, they were silently its defaults), and
+    our loader reads the checkpoint back."""
+    import transformers as tf
+
+    core = GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=32, act_dtype=jnp.float32)
+    cfg = GDNLayerConfig(hidden_size=64, core=core, model_type=MODEL_FAMILIES[model_type])
+    p = GDNLayerParams.random(cfg, jax.random.key(1))
+    save_checkpoint(tmp_path, cfg, {1: p}, num_hidden_layers=3, model_type=model_type)
+    hf_cfg = tf.AutoConfig.from_pretrained(tmp_path)
+    assert hf_cfg.model_type == model_type
+    text = hf_cfg.get_text_config()
+    assert (text.hidden_size, text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim,
+            text.linear_value_head_dim, text.num_hidden_layers) == (64, 2, 4, 16, 32, 3)
+    assert list(text.layer_types) == ["full_attention", "linear_attention", "full_attention"]
+    loaded = load_layers(tmp_path)
+    assert list(loaded) == [1]
+    for a, b in zip(jax.tree_util.tree_leaves(loaded[1]), jax.tree_util.tree_leaves(p)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
