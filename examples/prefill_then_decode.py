@@ -22,16 +22,19 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--decode-steps", type=int, default=6)
     args = ap.parse_args(argv)
+    if args.decode_steps < 0:
+        ap.error(f"--decode-steps must be >= 0, got {args.decode_steps}")
 
     # One layer, Qwen3-Next's structure at a small size; f32 activations for a tight check.
     cfg = GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32, act_dtype=jnp.float32)
     params = GDNParams.random(cfg, jax.random.PRNGKey(0))
     attn = GDNAttention(cfg, impl=args.impl)
-    builder = BatchBuilder(num_slots=8, num_spec=cfg.num_spec, token_bucket=(16, 64, 128), row_bucket=4)
-
     rng = np.random.default_rng(0)
     prompts = {3: 20, 5: 33}                   # slot -> prompt length
     total = {s: n + args.decode_steps for s, n in prompts.items()}
+    # Buckets: the decode steps, the prompts' prefill, and the whole sequences' prefill (64-token steps).
+    whole = -(-sum(total.values()) // 64) * 64
+    builder = BatchBuilder(num_slots=8, num_spec=cfg.num_spec, token_bucket=sorted({16, 64, whole}), row_bucket=4)
     seqs = {s: [rng.standard_normal((n, d)).astype(np.float32) for d in (cfg.D, cfg.HV, cfg.HV)]
             for s, n in total.items()}         # per slot: mixed_qkv, b, a of every token
 

@@ -129,6 +129,15 @@ def main(argv=None) -> int:
                     help="tuned: gdn_jax.tune_host_malloc() first, as a server would (README.md, Deployment); "
                          "system: glibc's defaults")
     args = ap.parse_args(argv)
+    for name, low in (("steps", 1), ("layers", 1), ("num_spec", 0), ("tokens", 3), ("rows", 1), ("slots", 1)):
+        v = getattr(args, name)
+        if v is not None and v < low:
+            ap.error(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    if args.slots < args.num_spec + 1:
+        ap.error(f"--slots must be >= num_spec + 1 = {args.num_spec + 1} (a request takes num_spec + 1 slots), "
+                 f"got {args.slots}")
+    if not args.tol > 0:
+        ap.error(f"--tol must be > 0, got {args.tol}")
     if args.malloc == "tuned":  # before any JAX work: big buffers reused instead of fresh pages each step
         gdn_jax.tune_host_malloc()
     if args.quick:

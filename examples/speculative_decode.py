@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
 
     cfg = GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32, num_spec=3,
                     act_dtype=jnp.float32)
@@ -50,17 +52,17 @@ def main(argv=None) -> int:
     history.append(prompt)
     acc = 1
     for step in range(args.steps):
-        q = int(rng.integers(1, cfg.num_spec + 2))          # 1 verified token + q-1 drafts
+        last = step == args.steps - 1  # accepts a draft, so that commit_accepted below moves a state
+        q = int(rng.integers(2 if last else 1, cfg.num_spec + 2))   # 1 verified token + q-1 drafts
         block = tokens(q)
         out = run(attn.spec_decode, Request.spec(slots, q, num_accepted=acc), block)
-        acc = int(rng.integers(1, q + 1))                    # the target model accepted `acc` tokens
+        acc = int(rng.integers(2 if last else 1, q + 1))     # the target model accepted `acc` tokens
         print(f"verify step {step}: {q} tokens ({q - 1} drafts), accepted {acc}; "
               f"next step resumes from slot {slots[acc - 1]}")
         history.append([v[:acc] for v in block])
         outputs.append(out[:acc])
     cache = attn.commit_accepted(cache, np.array([slots], np.int32), np.array([acc], np.int32))
-    moved = f"slot {slots[acc - 1]} -> slot {slots[0]}" if acc > 1 else "already in slot 0"
-    print(f"commit_accepted (accepted {acc}): {moved}; plain decode from here")
+    print(f"commit_accepted (accepted {acc}): slot {slots[acc - 1]} -> slot {slots[0]}; plain decode from here")
     for _ in range(2):
         tok = tokens(1)
         outputs.append(run(attn.decode, Request.decode(slots[0]), tok))
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     seq = [np.concatenate([h[j] for h in history]) for j in range(3)]
     n = len(seq[0])
     cache2 = GDNCache.create(cfg, num_slots=8)
-    hb = BatchBuilder(num_slots=8, num_spec=cfg.num_spec, token_bucket=64, row_bucket=1).build(
+    hb = BatchBuilder(num_slots=8, num_spec=cfg.num_spec, token_bucket=-(-n // 64) * 64, row_bucket=1).build(
         [Request.prefill(0, n)])
     ref, cache2 = attn.prefill(*(jnp.asarray(hb.pack([v])) for v in seq), params, cache2, hb)
     ref = np.asarray(ref)[:n]

@@ -71,5 +71,20 @@ def test_prefill_then_decode(impl):
 
 @pytest.mark.parametrize("impl", IMPL_ARGS)
 def test_speculative_decode(impl):
-    out = _run("speculative_decode.py", "--impl", impl, "--steps", "4")
-    assert "commit_accepted" in out and out.strip().endswith("OK")
+    """Its last verify step accepts a draft, so commit_accepted moves a state before the decodes."""
+    out = _run("speculative_decode.py", "--impl", impl)   # its default 6 steps
+    assert "commit_accepted (accepted 1)" not in out and "-> slot 6" in out and out.strip().endswith("OK")
+
+
+@pytest.mark.parametrize("script,args,msg", [
+    ("serving_loop.py", ["--slots", "2"], "--slots must be >= num_spec + 1 = 3"),
+    ("serving_loop.py", ["--layers", "0"], "--layers must be >= 1"),
+    ("serving_loop.py", ["--tokens", "2"], "--tokens must be >= 3"),
+    ("prefill_then_decode.py", ["--decode-steps", "-1"], "--decode-steps must be >= 0"),
+    ("speculative_decode.py", ["--steps", "0"], "--steps must be >= 1"),
+])
+def test_examples_refuse_bad_arguments_by_name(script, args, msg):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
