@@ -207,11 +207,12 @@ class GDNParams:
     """Weights of one GDN layer used by the attention core.
 
     Attributes:
-      A_log: [HV] float32 (decay rate: g = -exp(A_log) * softplus(a + dt_bias)).
-      dt_bias: [HV] float32 or the activation dtype.
-      conv_weight: [D, W] activation dtype (float32 also accepted); tap W-1 multiplies the
-        current token.
+      A_log: [HV] (decay rate: g = -exp(A_log) * softplus(a + dt_bias)).
+      dt_bias: [HV].
+      conv_weight: [D, W]; tap W-1 multiplies the current token.
       conv_bias: [D] or None (Qwen3-Next has none).
+    Each is float32 or bfloat16, each its own, as stored (a bf16 checkpoint's A_log stays bf16):
+    the kernels widen them to f32 exactly (README.md, Contract, "parameters").
     """
 
     A_log: Any

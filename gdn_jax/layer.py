@@ -149,7 +149,8 @@ class GDNLayerParams:
       in_proj_z: [HV*V, hidden] the gate of the norm.
       in_proj_b: [HV, hidden] (beta = sigmoid(b)).
       in_proj_a: [HV, hidden] (g = -exp(A_log) softplus(a + dt_bias)).
-      core: :class:`GDNParams` (A_log, dt_bias, conv_weight [D, W], conv_bias None).
+      core: :class:`GDNParams` (A_log, dt_bias, conv_weight [D, W]; conv_bias [D] where the
+        checkpoint has one, else None).
       norm_weight: [V] the gated RMSNorm weight (no +1 offset).
       out_proj: [hidden, HV*V].
     Projections and norm weight are in the activation dtype (the loader casts them once);
@@ -170,17 +171,19 @@ class GDNLayerParams:
     def random(cls, config: GDNLayerConfig, key, *, dtype=None) -> "GDNLayerParams":
         """Random weights: projections N(0, 1/in_features) (unit-scale outputs), the core's
         parameters as :meth:`GDNParams.random`, norm weight 1 + N(0, 0.1²) (ones would not test
-        the multiply). Everything in ``dtype`` (default: the act dtype) but A_log (f32)."""
-        dtype = config.act_dtype if dtype is None else np.dtype(jnp.dtype(dtype))
+        the multiply). Projections and norm weight in the act dtype (:meth:`validate` requires
+        it); the core's parameters in ``dtype`` (default: the act dtype; f32 or bf16, as a
+        checkpoint may store them) but A_log (f32)."""
+        act = config.act_dtype
         k = jax.random.split(key, 7)
         hid, D, Z, HV, V = config.hidden_size, config.D, config.Z, config.HV, config.V
 
         def proj(kk, out, inp):
-            return (jax.random.normal(kk, (out, inp), jnp.float32) / np.sqrt(inp)).astype(dtype)
+            return (jax.random.normal(kk, (out, inp), jnp.float32) / np.sqrt(inp)).astype(act)
 
         return cls(in_proj_qkv=proj(k[0], D, hid), in_proj_z=proj(k[1], Z, hid), in_proj_b=proj(k[2], HV, hid),
                    in_proj_a=proj(k[3], HV, hid), core=GDNParams.random(config.core, k[4], dtype=dtype),
-                   norm_weight=(1.0 + 0.1 * jax.random.normal(k[5], (V,), jnp.float32)).astype(dtype),
+                   norm_weight=(1.0 + 0.1 * jax.random.normal(k[5], (V,), jnp.float32)).astype(act),
                    out_proj=proj(k[6], hid, Z))
 
     def packed(self) -> "GDNLayerParams":

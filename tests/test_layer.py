@@ -165,6 +165,15 @@ def test_tokens_of_a_padding_row_output_zero(impl_isa):
         np.testing.assert_allclose(out[2:6], np.asarray(alone)[:4], rtol=1e-6, atol=1e-6)
 
 
+def test_random_params_take_a_core_dtype_and_stay_valid():
+    """``dtype`` sets the core's parameters (f32 beside a bf16 model, as checkpoints store them);
+    projections and norm weight keep the act dtype, which validate requires."""
+    cfg = make_cfg(jnp.bfloat16)
+    p = GDNLayerParams.random(cfg, jax.random.key(2), dtype=jnp.float32).validate(cfg)
+    assert {p.in_proj_qkv.dtype, p.in_proj_b.dtype, p.norm_weight.dtype, p.out_proj.dtype} == {jnp.dtype(jnp.bfloat16)}
+    assert {p.core.A_log.dtype, p.core.dt_bias.dtype, p.core.conv_weight.dtype} == {jnp.dtype(jnp.float32)}
+
+
 def test_packed_params(tmp_path):
     cfg = make_cfg(jnp.bfloat16)
     params = GDNLayerParams.random(cfg, jax.random.key(8))
