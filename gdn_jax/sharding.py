@@ -513,14 +513,25 @@ class _ShardedSteps:
     ``*_with_status`` step, raise on a refused batch. Subclasses set ``_array_specs``."""
 
     _array_specs: tuple = ()
+    _array_names: tuple = ()
 
     def _host(self, kind, *args):
         *arrays, params, cache, batch = args
         m = self.mesh
         _check_placed("params", params, self._param_specs(params), m)
         _check_placed("cache", cache, cache_specs(self._core_local), m)
+        placed_batch = _place_batch(batch, m)
+        if isinstance(batch, ShardedHostBatch):
+            # shard_map hands data shard d the rows [d*R, (d+1)*R) of R = rows / dp; unless R is
+            # the batch's T, each shard would read other requests' tokens (no error).
+            want = batch.num_data * batch.token_bucket
+            for name, x in zip(self._array_names, arrays):
+                rows = (getattr(x, "shape", None) or np.shape(x) or (None,))[0]
+                if rows != want:
+                    raise ValueError(f"{name} must have dp*T = {batch.num_data}*{batch.token_bucket} = {want} rows "
+                                     f"(the batch's tokens as its pack lays them out), got {rows}")
         placed = [_place_if_host(x, m, spec) for x, spec in zip(arrays, self._array_specs)]
-        out, cache, status = getattr(self, f"{kind}_with_status")(*placed, params, cache, _place_batch(batch, m))
+        out, cache, status = getattr(self, f"{kind}_with_status")(*placed, params, cache, placed_batch)
         check_sharded_status(kind, status, caches=cache)
         return out, cache
 
@@ -636,6 +647,7 @@ class ShardedGDNAttention(_ShardedSteps):
 
     # --- host wrappers ---
     _array_specs = (x_spec, x_spec, x_spec)
+    _array_names = ("mixed_qkv", "b", "a")
 
     def prefill(self, mixed_qkv, b, a, params, cache, batch):
         return self._host("prefill", mixed_qkv, b, a, params, cache, batch)
@@ -794,6 +806,7 @@ class ShardedGatedDeltaNetLayer(_ShardedSteps):
 
     hidden_spec = P(DATA, None)
     _array_specs = (hidden_spec,)
+    _array_names = ("hidden",)
 
     @property
     def _core_local(self) -> GDNConfig:

@@ -476,7 +476,8 @@ def misuse_checks(fam, impl):
     """Mistakes that once ran silently on a mesh (4 devices, tp = dp = 2): a batch built for
     another dp dropped data shards' requests; weights and pools not laid out by the layer were
     re-sharded by jit, splitting plain-order channels by position; a mesh without a "data" axis
-    failed late; wrong global shapes were reported as per-shard shapes."""
+    failed late; wrong global shapes were reported as per-shard shapes; token arrays of another
+    length than the batch's dp*T split between the shards at other rows than pack put them."""
     from gdn_jax.checkpoint import load_layer_params
     mesh = sh.make_mesh(tp=2, dp=2)
     eng = fam.sharded(mesh, impl)
@@ -503,6 +504,11 @@ def misuse_checks(fam, impl):
                  lambda: call(*arrays(good), params, cache, four.metadata))
     expect_error("an unstacked batch", ValueError, r"batch\.\w+ must carry a leading \[dp\]",
                  lambda: call(*arrays(good), params, cache, good.shards[0].metadata))
+    longer = [np.concatenate([x, x[:16]]) for x in arrays(good)]   # dp*T + 16 rows: shards would misread
+    expect_error("token arrays not of the batch's bucket", ValueError,
+                 rf"{'hidden' if fam.what == 'layer' else 'mixed_qkv'} must have dp\*T = 2\*{good.token_bucket} = "
+                 rf"{2 * good.token_bucket} rows",
+                 lambda: call(*longer, params, cache, good))
     if fam.what == "layer":
         full = load_layer_params(fam.ckpt, LAYER, fam.cfg)          # plain order, one device
         expect_error("params not from load_params", ValueError, r"params: leaf \d+ is not laid out on this mesh",
