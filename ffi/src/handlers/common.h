@@ -16,11 +16,13 @@ namespace gdn {
 namespace ffi = xla::ffi;
 
 // Element types narrower than a byte (S4, U4, S2, U2, S1, U1, F4E2M1FN: the C API's numbers,
-// as older FFI headers lack some names). XLA:CPU packs them, while AnyBuffer::size_bytes()
+// as older FFI headers lack some names). XLA:CPU may pack them, while AnyBuffer::size_bytes()
 // counts a byte per element, so byte-wise handlers (pool zeroing, slot copies) refuse them.
+// jaxlib 0.5.3 hands int4 / uint4 buffers over as INVALID (0, size_bytes() 0; packed two to a
+// byte there): refused as well, since their size is unknown to the handler.
 inline bool sub_byte(ffi::DataType t) {
   switch (static_cast<int>(t)) {
-    case 21: case 22: case 26: case 27: case 30: case 31: case 32: return true;
+    case 0: case 21: case 22: case 26: case 27: case 30: case 31: case 32: return true;
     default: return false;
   }
 }
