@@ -30,6 +30,9 @@ from jax import lax
 
 PAD_SLOT_ID = -1
 CHUNK_SIZE = 64
+# The lowest gate the chunked form's in-chunk cumsum takes (the native chunk clamps the same,
+# ffi/src/kernels/chunk.h kGateFloor): e^-110 is 0 in f32, so no decay across it changes.
+GATE_FLOOR = -110.0
 _HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -405,7 +408,9 @@ def _chunk_body(S0, q_hat, k_hat, v, g, beta):
     qh = jnp.swapaxes(q_hat, 0, 1)  # [HV, C, K]
     kh = jnp.swapaxes(k_hat, 0, 1)
     vh = jnp.swapaxes(v, 0, 1)  # [HV, C, V]
-    gh = g.T  # [HV, C]
+    # Gates below GATE_FLOOR raised to it: decays across them stay 0 (e^-110 underflows f32),
+    # and the f32 cumsum keeps the gates after them (next to -1e16 they vanished: decays of 1).
+    gh = jnp.maximum(g.T, GATE_FLOOR)  # [HV, C]; NaN stays NaN
     bh = beta.T
     G = jnp.cumsum(gh, axis=-1)
     ii = jnp.arange(C)[:, None]

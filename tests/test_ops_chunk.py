@@ -215,6 +215,30 @@ def test_strong_decay_matches_f64(isa, act):
     _check(o, st, ref_o, ref_pool, pool, qsl, IDX, act, F32, WRITTEN)
 
 
+@pytest.mark.parametrize("impl_isa", [("native", isa) for isa in ISAS] + [("reference", None)],
+                         ids=[f"native-{isa}" for isa in ISAS] + ["reference"])
+def test_one_huge_gate_matches_f64(impl_isa):
+    """A few gates far below any other (g = -1e3 .. -1e16, -inf: a past the softplus threshold)
+    inside chunks, the first and the last token of one among them. Every decay across them is
+    0; the gates after them must keep their decays: next to -1e16 the in-chunk cumsum had
+    swallowed them (decays of 1, output errors ~0.8)."""
+    impl, isa = impl_isa
+    T, H, HV, K, V = 130, 1, 2, 16, 16
+    q, k, v, g, beta, pool = _problem(11, T, H, HV, K, V, 2, F32, F32)
+    g = g.copy()
+    g[10, 0], g[40, 1], g[64, 0], g[95, 1], g[127, 0] = -1e3, -1e8, -1e16, -np.inf, -1e30
+    qsl, idx, his = np.array([0, T], np.int32), np.array([1], np.int32), np.array([True])
+    ref_o, ref_pool = prefill_f64(q, k, v, g, beta, pool, qsl, idx, his)
+    if impl == "native":
+        o, st = _run(q, k, v, g, beta, pool, qsl, idx, his, F32, F32, isa)
+    else:
+        o, st = (np.asarray(x) for x in gdn_jax.chunk_gated_delta_rule(
+            *(jnp.asarray(x, F32) for x in (q, k, v)), g=jnp.asarray(g, F32), beta=jnp.asarray(beta, F32),
+            ssm_state=jnp.asarray(pool, F32), query_start_loc=jnp.asarray(qsl), state_indices=jnp.asarray(idx),
+            has_initial_state=jnp.asarray(his), impl="reference"))
+    _check(o, st, ref_o, ref_pool, pool, qsl, idx, F32, F32, {1})
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("K,V", [(64, 64), (16, 256), (256, 16)])
 def test_head_dims_f32(isa, K, V):

@@ -254,6 +254,9 @@ inline void gemm_prepared(const GemmA* As, const Mat<TO>* Couts, int na, int N, 
 // short one's spreads past the budget. The state update stays f32: on bf16 pairs it took the
 // final state past its budget (ffi/README.md, "bf16 products with the state").
 constexpr int64_t kPairsMinTokens = 129;
+// The lowest gate the chunk's cumsum takes (chunk_head): e^-110 is 0 in f32, so a decay across
+// a lower gate is 0 either way; the reference clamps the same (reference.GATE_FLOOR).
+constexpr double kGateFloor = -110.0;
 template <class TA>
 constexpr bool bf16_state_products() {
 #if defined(GDN_CHUNK_BF16_STATE)
@@ -474,13 +477,17 @@ inline void chunk_head(const ChunkArgs& p, const ChunkBufs<C>& b, const GemmA* g
   const int npad = (n + kLanes - 1) / kLanes * kLanes;
 
   // Gates: in-chunk cumsum of g in double, so that Gc_i - Gc_j keeps its relative accuracy
-  // when the sums are large.
+  // when the sums are large. A gate below kGateFloor is raised to it first: every decay across
+  // it is still 0 (e^-110 underflows f32), and the gates after it do not vanish into a huge
+  // sum (g = -1e16 left their differences 0, decays of 1). NaN stays NaN; -inf becomes the
+  // floor, as decode's e^-inf = 0.
   double Gc[C];
   float beta[C];
   {
     double acc = 0.0;
     for (int i = 0; i < n; ++i) {
-      acc += double(p.g[(t0 + i) * HV + h]);
+      const double gi = double(p.g[(t0 + i) * HV + h]);
+      acc += gi < kGateFloor ? kGateFloor : gi;
       Gc[i] = acc;
       beta[i] = p.beta[(t0 + i) * HV + h];
     }
