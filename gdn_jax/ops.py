@@ -295,7 +295,7 @@ def linear(x, w, *, out_dtype=None, impl: str = "auto"):
     if packed:  # contract x's pairs with the blocks as stored: no unpacked copy of w
         xp = jnp.pad(x, ((0, 0), (0, w.data.shape[1] * 2 - n_in))).reshape(T, w.data.shape[1], 2)
         y = jnp.einsum("tpk,bpjk->tbj", xp, w.data, preferred_element_type=jnp.float32)
-        return y.reshape(T, -1)[:, :n_out].astype(out_dtype)
+        return y.reshape(T, y.shape[1] * y.shape[2])[:, :n_out].astype(out_dtype)  # (T, -1) fails at T = 0
     y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
@@ -701,6 +701,8 @@ def copy_slots_with_status(pool, *, src, dst, impl="auto"):
         return _native.copy_slots(pool, src, dst)
     status = C.status_copy_slots_jnp(src, dst, pool.shape[0])
     N = pool.shape[0]
+    if N == 0:  # nothing to read or write (a named slot is refused by the status); no gather of row 0
+        return pool, status
     write = (dst != C.PAD_SLOT_ID) & (status[0] == 0)
     moved = pool.at[jnp.where(write, dst, N)].set(pool[jnp.where(write, src, 0)], mode="drop")
     return moved, status

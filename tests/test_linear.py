@@ -244,3 +244,14 @@ def test_packed_handler_refuses_bad_parts():
         run([f32, f32], w, jnp.zeros((2, 2, 16, 2), jnp.bfloat16))
     with pytest.raises(Exception, match="the result 1 must be \\[T, out\\] with T = 2"):
         run([f32, jax.ShapeDtypeStruct((3, 3), jnp.float32)], w, w)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_no_tokens(impl, packed):
+    """T = 0 gives [0, out] on every path (the packed reference's reshape(T, -1) had divided by 0)."""
+    w = jnp.ones((8, 12), jnp.bfloat16)
+    w = pack_linear_weight(w) if packed else w
+    x = jnp.zeros((0, 12), jnp.bfloat16)
+    assert linear(x, w, impl=impl).shape == (0, 8)
+    assert [y.shape for y in merged_linear(x, [w, w], impl=impl)] == [(0, 8), (0, 8)]

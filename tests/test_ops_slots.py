@@ -62,3 +62,16 @@ def test_bf16_pool_in_place_without_a_pass():
     ptr = pool.unsafe_buffer_pointer()
     out = f(pool, src, dst)
     assert out.unsafe_buffer_pointer() == ptr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_pool(impl):
+    """N = 0: padding rows copy nothing (the reference gathered row 0 of no rows), a named slot
+    is refused."""
+    pool = jnp.zeros((0, 4), jnp.float32)
+    out, status = ops.copy_slots_with_status(pool, src=jnp.asarray([-1], jnp.int32), dst=jnp.asarray([-1], jnp.int32),
+                                             impl=impl)
+    assert out.shape == (0, 4) and int(status[0]) == 0
+    _, status = ops.copy_slots_with_status(pool, src=jnp.asarray([0], jnp.int32), dst=jnp.asarray([0], jnp.int32),
+                                           impl=impl)
+    assert int(status[0]) != 0
