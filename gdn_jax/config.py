@@ -269,6 +269,9 @@ def zeros_pool(shape, dtype, *, huge_pages: bool = True):
         raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     shape, dtype = tuple(int(d) for d in dims), np.dtype(dtype)
     _checks.check_byte_dtype("zeros_pool", dtype)
+    # As jnp.zeros: float64 / int64 become 32-bit unless jax_enable_x64 (the native call would
+    # otherwise make a 64-bit array that the rest of the program does not expect).
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
     if huge_pages and jax.default_backend() == "cpu" and native_available():
         return _native.zero_pool(shape, dtype)
     return jnp.zeros(shape, dtype)

@@ -25,6 +25,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks as C
 from . import _native
@@ -494,8 +495,30 @@ def _check_native_head_dims(K, V, *, chunked=False):
                              f"{what}, got {name}={d} (K={K}, V={V}; impl='reference' has no limit)")
 
 
-def _scale(scale, K):
-    return float(K) ** -0.5 if scale is None else float(scale)
+def _qk_args(K, scale, use_qk_l2norm, l2norm_eps):
+    """(scale, use_qk_l2norm, l2norm_eps) as the kernels take them: scale (default K ** -0.5) a
+    finite number, use_qk_l2norm a bool, l2norm_eps a number > 0 (as GDNConfig asks). They are
+    static (they select the program), so a traced value is refused on both paths alike: the
+    native call cannot take one, and the reference took "no" as True. Errors name the argument."""
+    def number(name, x):
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(f"{name} must be a concrete number (a static argument: it selects the compiled "
+                            f"program), got a traced value")
+        try:
+            v = float(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a number, got {x!r}") from None
+        if not np.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {x!r}")
+        return v
+
+    sc = float(K) ** -0.5 if scale is None else number("scale", scale)
+    if not isinstance(use_qk_l2norm, (bool, np.bool_)):
+        raise TypeError(f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
+    eps = number("l2norm_eps", l2norm_eps)
+    if eps <= 0:
+        raise ValueError(f"l2norm_eps must be > 0, got {l2norm_eps!r}")
+    return sc, bool(use_qk_l2norm), eps
 
 
 def _native_qkv(q, k, v, mixed_qkv):
@@ -530,7 +553,7 @@ def chunk_gated_delta_rule_with_status(q, k, v, *, g, beta, ssm_state, query_sta
     C.check_index("state_indices", state_indices, (S,), "[S]")
     C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
     C.check_bool("has_initial_state", has_initial_state, (S,), "[S]")
-    sc = _scale(scale, K)
+    sc, use_qk_l2norm, l2norm_eps = _qk_args(K, scale, use_qk_l2norm, l2norm_eps)
     if resolve_impl(impl) == "native":
         _check_native_head_dims(K, V, chunked=True)
         return _native.chunk(*_native_qkv(q, k, v, _mixed_qkv), g, beta, ssm_state, query_start_loc, state_indices,
@@ -589,7 +612,7 @@ def fused_sigmoid_gating_delta_rule_update_with_status(q, k, v, *, a, b, A_log, 
     """:func:`fused_sigmoid_gating_delta_rule_update` returning ``(o, ssm_state, status)``."""
     B, H, K, HV, V, N = _recurrent_common(q, k, v, a, b, A_log, dt_bias, ssm_state)
     C.check_index("state_indices", state_indices, (B,), "[B] (one row per token)")
-    sc = _scale(scale, K)
+    sc, use_qk_l2norm, l2norm_eps = _qk_args(K, scale, use_qk_l2norm, l2norm_eps)
     qsl = jnp.arange(B + 1, dtype=jnp.int32)
     acc = jnp.ones((B,), jnp.int32)
     if resolve_impl(impl) == "native":
@@ -640,7 +663,7 @@ def fused_sigmoid_gating_delta_rule_update_spec_with_status(q, k, v, *, a, b, A_
     C.check_index("spec_state_indices", spec_state_indices, (S, cols), "[S, num_spec + 1]")
     C.check_index("query_start_loc", query_start_loc, (S + 1,), "[S + 1]")
     C.check_index("num_accepted_tokens", num_accepted_tokens, (S,), "[S]")
-    sc = _scale(scale, K)
+    sc, use_qk_l2norm, l2norm_eps = _qk_args(K, scale, use_qk_l2norm, l2norm_eps)
     if resolve_impl(impl) == "native":
         _check_native_head_dims(K, V)
         return _native.recurrent(*_native_qkv(q, k, v, _mixed_qkv), a, b, A_log, dt_bias, ssm_state, query_start_loc,

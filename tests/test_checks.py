@@ -137,6 +137,38 @@ def test_static_errors_raise_under_jit_too():
         f(q)
 
 
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(use_qk_l2norm="no"), TypeError, "use_qk_l2norm must be a bool, got 'no'"),
+    (dict(use_qk_l2norm=1), TypeError, "use_qk_l2norm must be a bool"),
+    (dict(l2norm_eps=-1e-6), ValueError, "l2norm_eps must be > 0"),
+    (dict(l2norm_eps=0.0), ValueError, "l2norm_eps must be > 0"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (dict(scale="x"), TypeError, "scale must be a number"),
+])
+def test_qk_arguments_refused_alike_on_both_paths(impl, kw, exc, msg):
+    """The reference took use_qk_l2norm="no" as True and any eps; the native call raised a bare
+    int() error. Both refuse now, naming the argument."""
+    q, k, v = _qkv(2)
+    with pytest.raises(exc, match=msg):
+        gdn_jax.fused_sigmoid_gating_delta_rule_update(q, k, v, **_gates(2), ssm_state=jnp.zeros((4, HV, K, V)),
+                                                       state_indices=jnp.arange(2, dtype=jnp.int32), impl=impl, **kw)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("name", ["scale", "l2norm_eps"])
+def test_traced_static_arguments_refused_by_name(impl, name):
+    """scale and l2norm_eps select the compiled program: a traced value is refused alike (the
+    reference used to trace it, the native call failed with a tracer conversion error)."""
+    q, k, v = _qkv(2)
+    f = jax.jit(lambda x: gdn_jax.chunk_gated_delta_rule(
+        q, k, v, g=jnp.zeros((2, HV)), beta=jnp.zeros((2, HV)), ssm_state=jnp.zeros((4, HV, K, V)),
+        query_start_loc=jnp.array([0, 2], jnp.int32), state_indices=jnp.array([1], jnp.int32),
+        has_initial_state=jnp.array([False]), impl=impl, **{name: x}))
+    with pytest.raises(TypeError, match=f"{name} must be a concrete number"):
+        f(jnp.float32(1e-3))
+
+
 # --- data checks: kernel status == jnp mirror, nothing written ---------------------------
 
 

@@ -119,3 +119,11 @@ def test_donated_step_keeps_the_pool_buffer():
     assert cache.ssm_state.unsafe_buffer_pointer() == ptr
     state = np.asarray(cache.ssm_state)
     assert np.any(state[[3, 5]]) and not np.any(np.delete(state, [3, 5], axis=0))
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_zeros_pool_dtype_as_jnp_zeros(huge_pages):
+    """float64 / int64 pools come out as jnp.zeros makes them (32-bit without jax_enable_x64) on
+    both paths; the native one had made 64-bit arrays."""
+    for dt in (np.float64, np.int64, np.float32, jnp.bfloat16):
+        assert zeros_pool((2, 3), dt, huge_pages=huge_pages).dtype == jax.dtypes.canonicalize_dtype(dt)
