@@ -375,9 +375,10 @@ def save_checkpoint(path, config: GDNLayerConfig, layers: dict[int, GDNLayerPara
 
     The layout is that of ``config.model_type`` (Qwen3-Next: interleaved ``in_proj_qkvz`` /
     ``in_proj_ba``; Qwen3.5: flat; for the multimodal ``"qwen3_5"`` and ``"qwen3_5_moe"`` under
-    ``model.language_model``, the sizes in a nested ``text_config``). Only the GDN layers' tensors are written (the rest of a model is not
-    gdn_jax's); layers not in ``layers`` are marked ``full_attention``. Used by the demo to
-    make a checkpoint without a network, and to export weights.
+    ``model.language_model``, the sizes in a nested ``text_config``). Only the GDN layers'
+    tensors are written (the rest of a model is not gdn_jax's); layers not in ``layers`` are
+    marked ``full_attention``. Used by the demo to make a checkpoint without a network, and to
+    export weights.
     """
     model_type = model_type or config.model_type
     if MODEL_FAMILIES.get(model_type) != config.model_type:
