@@ -71,6 +71,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     malloc_text = apply_malloc(args.malloc)
     conds = args.conditions.split(",")
+    if [c for c in conds if c not in CONDITIONS]:
+        ap.error(f"--conditions: unknown {[c for c in conds if c not in CONDITIONS]}; known: {', '.join(CONDITIONS)}")
     call = make_case(args.case)
     block, block_ms = R.matmul_block()
     big = np.ones(64 << 18, np.float32)

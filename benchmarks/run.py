@@ -968,8 +968,8 @@ def machine_info():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
-    ap.add_argument("--impls", default="native,reference")
-    ap.add_argument("--sections", default="roofline,ops,layer")
+    ap.add_argument("--impls", default="native,reference", help="comma list of native, reference (the ops section)")
+    ap.add_argument("--sections", default="roofline,ops,layer", help="comma list of roofline, ops, layer")
     ap.add_argument("--target-s", type=float, default=None,
                     help="seconds of timed calls per case (default 1.0, --quick 0.2)")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "results.json"),
@@ -1012,6 +1012,11 @@ def main(argv=None):
                     help="tuned (default): glibc malloc as gdn_jax.tune_host_malloc sets it, here and in vLLM's "
                          "harness (README.md, Deployment); system: glibc's defaults on both sides")
     args = ap.parse_args(argv)
+    for flag, value, known in (("--sections", args.sections, ("roofline", "ops", "layer")),
+                               ("--impls", args.impls, ("native", "reference"))):
+        bad = [s for s in value.split(",") if s not in known]
+        if bad:  # a typo would otherwise time nothing (or fail after the probes) and still write a report
+            ap.error(f"{flag}: unknown {bad}; known: {', '.join(known)}")
     # First, before any JAX work: the settings hold for the arenas of threads that allocate later.
     malloc = dict(mode=args.malloc, applied=gdn_jax.tune_host_malloc() if args.malloc == "tuned" else False)
     impls = args.impls.split(",")

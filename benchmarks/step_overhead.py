@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import jax
@@ -267,6 +268,7 @@ def paired_step_kernels(name, target_s, rng=None, min_iters=7):
     return out
 
 
+CASE_NAME = re.compile(r"decode_b\d+_(f32|bf16)|spec_8x4_(f32|bf16)|prefill_\d+(x\d+)?|mixed_\d+")  # case()'s names
 CASES = ["decode_b1_f32", "decode_b8_f32", "decode_b8_bf16", "spec_8x4_f32", "spec_8x4_bf16", "prefill_2048",
          "prefill_8192", "mixed_2048"]
 
@@ -278,6 +280,10 @@ def main(argv=None):
     ap.add_argument("--target", type=float, default=3.0, help="seconds per case and repeat")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    bad = [n for n in args.cases.split(",") if not CASE_NAME.fullmatch(n)]
+    if bad:  # before any case runs: a late IndexError lost the cases timed before it
+        ap.error(f"--cases: unknown {bad}; names: decode_b<B>_f32|bf16, spec_8x4_f32|bf16, prefill_<T>, "
+                 f"prefill_<S>x<T>, mixed_<T>")
     rng = np.random.default_rng(0)
     results = {}
     print(f"jax {jax.__version__}, ISA {__import__('gdn_jax').selected_isa()}, "

@@ -23,6 +23,7 @@ its memory itself (ffi/README.md, Limits).
 from __future__ import annotations
 
 import ctypes
+import operator
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -79,8 +80,12 @@ def tune_host_malloc(trim_threshold_bytes: int = DEFAULT_TRIM_THRESHOLD) -> bool
       OSError: glibc refused a setting.
     """
     t = trim_threshold_bytes
-    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= 2**31 - 1:
-        raise ValueError(f"trim_threshold_bytes must be an int in [0, 2**31 - 1], got {t!r}")
+    try:  # an int or a NumPy integer (no bool, no float)
+        t = None if isinstance(t, bool) else operator.index(t)
+    except TypeError:
+        t = None
+    if t is None or not 0 <= t <= 2**31 - 1:
+        raise ValueError(f"trim_threshold_bytes must be an int in [0, 2**31 - 1], got {trim_threshold_bytes!r}")
     libc = _glibc()
     if libc is None:
         return False

@@ -1143,3 +1143,18 @@ chunk        T = 2048, f32 state                     79628.0      78930.4    0.9
         with open(os.path.join(d, "ffi", "include", "gdn", "types.h")) as f:
             assert f.read() == head
         assert os.path.isfile(os.path.join(d, "ffi", "src", "isa", "avx512bf16.cc"))
+
+
+@pytest.mark.parametrize("script,args,msg", [
+    ("run.py", ["--quick", "--sections", "layers"], "--sections: unknown ['layers']"),
+    ("run.py", ["--quick", "--impls", "natve"], "--impls: unknown ['natve']"),
+    ("step_overhead.py", ["--cases", "decode_b8_f32,bogus"], "--cases: unknown ['bogus']"),
+    ("interleave.py", ["--conditions", "b2b,bogus"], "--conditions: unknown ['bogus']"),
+])
+def test_scripts_refuse_unknown_names_before_running(script, args, msg):
+    """A misspelled section timed nothing and still wrote a report; a bad impl, case or condition
+    failed with a traceback after the work before it had run."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and msg in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]

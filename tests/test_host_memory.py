@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import gdn_jax
@@ -78,10 +79,15 @@ def test_tuned_malloc_reuses_big_blocks():
     assert tuned["xla"] < 4, tuned
 
 
-@pytest.mark.parametrize("bad", [-1, 2**31, 1.5, "1G", True, None])
+@pytest.mark.parametrize("bad", [-1, 2**31, 1.5, "1G", True, None, np.float64(1e6), np.int64(2**31)])
 def test_trim_threshold_checked(bad):
     with pytest.raises(ValueError, match="trim_threshold_bytes"):
         gdn_jax.tune_host_malloc(bad)
+
+
+def test_trim_threshold_takes_numpy_ints():
+    glibc = host_memory._glibc() is not None
+    assert gdn_jax.tune_host_malloc(np.int64(1 << 30)) is glibc and gdn_jax.tune_host_malloc() is glibc
 
 
 def test_not_glibc_changes_nothing(monkeypatch):
