@@ -71,8 +71,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     malloc_text = apply_malloc(args.malloc)
     conds = args.conditions.split(",")
-    if [c for c in conds if c not in CONDITIONS]:
-        ap.error(f"--conditions: unknown {[c for c in conds if c not in CONDITIONS]}; known: {', '.join(CONDITIONS)}")
+    unknown = [c for c in conds if c not in CONDITIONS]
+    if unknown:
+        ap.error(f"--conditions: unknown {unknown}; known: {', '.join(CONDITIONS)}")
     call = make_case(args.case)
     block, block_ms = R.matmul_block()
     big = np.ones(64 << 18, np.float32)

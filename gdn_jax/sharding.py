@@ -526,7 +526,7 @@ class _ShardedSteps:
             # the batch's T, each shard would read other requests' tokens (no error).
             want = batch.num_data * batch.token_bucket
             for name, x in zip(self._array_names, arrays):
-                rows = (getattr(x, "shape", None) or np.shape(x) or (None,))[0]
+                rows = np.shape(x)[0] if np.ndim(x) else None
                 if rows != want:
                     raise ValueError(f"{name} must have dp*T = {batch.num_data}*{batch.token_bucket} = {want} rows "
                                      f"(the batch's tokens as its pack lays them out), got {rows}")
